@@ -1,0 +1,275 @@
+"""The thin CLI: parse -> config -> object -> run; signals handled, shutdown in ``finally``.
+
+fusionp2p peer   [--initial-peers MADDR ...] [--identity PATH] [--device cpu|cuda:N] ...
+fusionp2p status --initial-peers MADDR ... [--json]
+fusionp2p local  [--peers N] [--duration S]      a local swarm on this machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from fusionp2p import __version__
+from fusionp2p.config import DEFAULT_SWARM, PeerConfig, ProbeConfig
+from fusionp2p.errors import FusionP2PError
+from fusionp2p.records import LinkRecord, PeerRecord
+
+__all__ = ["main"]
+
+logger = logging.getLogger("fusionp2p.cli")
+
+
+def _add_swarm_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--initial-peers",
+        nargs="*",
+        default=[],
+        metavar="MADDR",
+        help="multiaddrs of live peers (printed by `fusionp2p peer`)",
+    )
+    parser.add_argument("--swarm", default=DEFAULT_SWARM, help="swarm name (default: %(default)s)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fusionp2p", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"fusionp2p {__version__}")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    peer = sub.add_parser("peer", help="join (or start) a swarm and serve until SIGINT/SIGTERM")
+    _add_swarm_args(peer)
+    peer.add_argument(
+        "--host-maddrs",
+        nargs="+",
+        default=["/ip4/127.0.0.1/tcp/0"],
+        metavar="MADDR",
+        help="where to listen; use /ip4/0.0.0.0/tcp/PORT to accept other machines (default: loopback only)",
+    )
+    peer.add_argument(
+        "--announce-maddrs",
+        nargs="*",
+        default=[],
+        metavar="MADDR",
+        help="addresses other peers should dial (public IP behind NAT)",
+    )
+    peer.add_argument(
+        "--identity", metavar="PATH", help="identity key file (created if missing) for a stable PeerID"
+    )
+    peer.add_argument("--device", default="cpu", help="cpu or cuda:N (default: %(default)s)")
+    peer.add_argument("--flops", type=float, help="declared fp32 FLOP/s instead of measuring")
+    peer.add_argument(
+        "--upload-limit-mbps", type=float, help="cap this peer's outgoing stream traffic (Mbit/s)"
+    )
+    peer.add_argument("--heartbeat", type=float, default=5.0, help="seconds between refreshes")
+    peer.add_argument(
+        "--record-ttl", type=float, default=20.0, help="seconds a record lives without a heartbeat"
+    )
+    peer.add_argument("--probe-period", type=float, default=10.0, help="seconds between link probe rounds")
+    peer.add_argument("--probe-fanout", type=int, default=3, help="peers probed per round")
+    peer.add_argument(
+        "--ready-file", metavar="PATH", help="write {peer_id, multiaddrs} as JSON here once joined"
+    )
+
+    status = sub.add_parser("status", help="print a swarm's live peers and measured links")
+    _add_swarm_args(status)
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+
+    local = sub.add_parser("local", help="run a local swarm of peer processes and show it")
+    local.add_argument("--peers", type=int, default=3, help="number of peers (default: 3)")
+    local.add_argument(
+        "--duration",
+        type=float,
+        default=0.0,
+        help="keep the swarm this many seconds after it formed (default: 0)",
+    )
+    local.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="give up if the swarm has not formed within this many seconds",
+    )
+    return parser
+
+
+# -- peer ---------------------------------------------------------------------------------
+
+
+async def _run_peer(config: PeerConfig, ready_file: str | None) -> None:
+    from fusionp2p.peer import Peer
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    peer = await Peer.create(config)
+    try:
+        maddrs = peer.multiaddrs
+        flops = peer.profile.flops["float32"] / 1e9
+        print(
+            f"fusionp2p peer {peer.peer_id} joined swarm {config.swarm!r} "
+            f"({peer.profile.device}, {flops:.1f} GFLOP/s fp32)",
+            flush=True,
+        )
+        print("To join this swarm from another machine, run:", flush=True)
+        print(f"  fusionp2p peer --swarm {config.swarm} --initial-peers {' '.join(maddrs)}", flush=True)
+        if ready_file:
+            tmp = Path(ready_file + ".tmp")
+            tmp.write_text(json.dumps({"peer_id": peer.peer_id, "multiaddrs": maddrs, "pid": os.getpid()}))
+            tmp.replace(ready_file)
+        await stop.wait()
+        logger.info("leaving swarm %r", config.swarm)
+    finally:
+        await peer.aclose()
+
+
+def _cmd_peer(args: argparse.Namespace) -> int:
+    config = PeerConfig(
+        swarm=args.swarm,
+        initial_peers=tuple(args.initial_peers),
+        host_maddrs=tuple(args.host_maddrs),
+        announce_maddrs=tuple(args.announce_maddrs),
+        identity_path=args.identity,
+        device=args.device,
+        flops_override=args.flops,
+        upload_limit_mbps=args.upload_limit_mbps,
+        heartbeat=args.heartbeat,
+        record_ttl=args.record_ttl,
+        probe=ProbeConfig(period=args.probe_period, fanout=args.probe_fanout),
+    )
+    import uvloop
+
+    uvloop.run(_run_peer(config, args.ready_file))
+    return 0
+
+
+# -- status -------------------------------------------------------------------------------
+
+
+def _short(peer_id: str) -> str:
+    return peer_id[-8:]
+
+
+def format_status(peers: list[PeerRecord], links: list[LinkRecord], now: float) -> str:
+    """Human-readable tables of peers and of the bandwidth/RTT matrix."""
+    rows = [
+        f"{len(peers)} live peer(s)",
+        f"{'PEER':<10} {'DEVICE':<8} {'NAME':<16} {'GFLOP/s':>9} {'FREE MEM':>10} {'AGE':>6} {'STATE':<8}",
+    ]
+    for p in peers:
+        rows.append(
+            f"{_short(p.peer_id):<10} {p.device:<8} {p.device_name[:16]:<16} "
+            f"{p.fp32_flops / 1e9:>9.1f} {p.memory_bytes / 2**30:>7.1f} GiB "
+            f"{now - p.started_at:>5.0f}s {p.state:<8}"
+        )
+    ids = [p.peer_id for p in peers]
+    table = {(lk.src, lk.dst): lk for lk in links}
+    rows += [
+        "",
+        f"{len(links)} measured link(s): MB/s / RTT ms, row = sender, column = receiver",
+        f"{'':<10} " + " ".join(f"{_short(i):>16}" for i in ids),
+    ]
+    for src in ids:
+        cells = []
+        for dst in ids:
+            lk = table.get((src, dst))
+            cells.append(
+                f"{'-' if src == dst else '?':>16}"
+                if lk is None
+                else f"{f'{lk.bandwidth_bps / 1e6:.1f} / {lk.rtt_s * 1e3:.2f}':>16}"
+            )
+        rows.append(f"{_short(src):<10} " + " ".join(cells))
+    return "\n".join(rows)
+
+
+def status_json(swarm: str, peers: list[PeerRecord], links: list[LinkRecord], now: float) -> dict:
+    """The ``status --json`` document (also accepted later as a swarm file by the planner)."""
+    return {
+        "swarm": swarm,
+        "at": now,
+        "peers": [asdict(p) for p in peers],
+        "links": [asdict(lk) for lk in links],
+    }
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from hivemind.utils import get_dht_time
+
+    from fusionp2p.swarm import Swarm
+
+    with Swarm(args.initial_peers, swarm=args.swarm) as swarm:
+        peers, links = swarm.peers(), swarm.links()
+    now = get_dht_time()
+    if args.json:
+        print(json.dumps(status_json(args.swarm, peers, links, now), indent=2))
+    else:
+        print(format_status(peers, links, now))
+    return 0
+
+
+# -- local --------------------------------------------------------------------------------
+
+
+def _cmd_local(args: argparse.Namespace) -> int:
+    from hivemind.utils import get_dht_time
+
+    from fusionp2p.launch import LocalSwarm
+    from fusionp2p.swarm import Swarm
+
+    n = args.peers
+    print(f"starting a local swarm of {n} peers on loopback...", flush=True)
+    fast = ["--heartbeat", "2", "--record-ttl", "10", "--probe-period", "3"]
+    with LocalSwarm(n, peer_args=[fast] * n, log_level="warning") as local:
+        print(f"all {n} peers joined; swarm address: {' '.join(local.initial_peers)}", flush=True)
+        with Swarm(local.initial_peers, swarm=local.swarm) as swarm:
+            deadline = time.monotonic() + args.timeout
+            while True:
+                peers, links = swarm.peers(), swarm.links()
+                print(
+                    f"\r  {len(peers)}/{n} peers visible, {len(links)}/{n * (n - 1)} links measured",
+                    end="",
+                    flush=True,
+                )
+                if len(peers) == n and len(links) == n * (n - 1):
+                    break
+                if time.monotonic() > deadline:
+                    print()
+                    raise FusionP2PError(
+                        f"the local swarm did not form within {args.timeout} s; "
+                        f"peer logs are in {local.workdir}"
+                    )
+                time.sleep(1.0)
+            print("\n")
+            print(format_status(peers, links, get_dht_time()), flush=True)
+            if args.duration > 0:
+                print(f"\nkeeping the swarm up for {args.duration:.0f} s (Ctrl-C to stop)...")
+                time.sleep(args.duration)
+        print("\nstopping the local swarm...", flush=True)
+    print("done: every peer left and no process is left behind.")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fusionp2p`` console script."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    handlers = {"peer": _cmd_peer, "status": _cmd_status, "local": _cmd_local}
+    try:
+        return handlers[args.command](args)
+    except FusionP2PError as e:
+        print(f"fusionp2p {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

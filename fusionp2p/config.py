@@ -1,0 +1,117 @@
+"""Typed, validated configuration of a peer and of its probes.
+
+Every field carries one comment; ``__post_init__`` rejects bad values with a message
+that shows them. Timeouts and limits are small keyword-only value objects.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from fusionp2p.errors import ConfigError
+
+__all__ = ["DEFAULT_SWARM", "PeerConfig", "ProbeConfig", "Timeouts"]
+
+DEFAULT_SWARM = "fusionp2p"
+_SWARM_NAME_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+
+
+def _positive(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ConfigError(f"{owner}.{name} must be a positive finite number, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Timeouts:
+    """Deadlines for remote work, in seconds."""
+
+    connect: float = 10.0  # opening a stream to a peer
+    probe: float = 20.0  # one whole bandwidth/RTT probe of one link
+    dht: float = 15.0  # one DHT get or store
+    shutdown: float = 10.0  # leaving the swarm cleanly
+
+    def __post_init__(self) -> None:
+        _positive("Timeouts", connect=self.connect, probe=self.probe, dht=self.dht, shutdown=self.shutdown)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeConfig:
+    """How a peer measures bandwidth and RTT to others."""
+
+    period: float = 10.0  # seconds between probe rounds
+    fanout: int = 3  # peers probed per round: a bounded sample, never all pairs
+    ping_count: int = 5  # tiny round trips per probe; the RTT is their median
+    initial_bytes: int = 1 << 20  # payload of the first probe of a link
+    min_bytes: int = 256 << 10  # smallest payload (keeps the estimate above noise)
+    max_bytes: int = 16 << 20  # largest payload a probe sends or a peer accepts
+    target_seconds: float = 0.4  # later probes size their payload to take about this long
+    ewma_alpha: float = 0.5  # weight of a new measurement in the smoothed estimate
+    fresh_seconds: float = 60.0  # a link measured more recently than this is "fresh"
+    busy_slowdown: float = 4.0  # a peer busy training probes this many times less often
+
+    def __post_init__(self) -> None:
+        _positive(
+            "ProbeConfig",
+            period=self.period,
+            target_seconds=self.target_seconds,
+            fresh_seconds=self.fresh_seconds,
+            busy_slowdown=self.busy_slowdown,
+        )
+        for name in ("fanout", "ping_count", "initial_bytes", "min_bytes", "max_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"ProbeConfig.{name} must be an integer >= 1, got {value!r}")
+        if not self.min_bytes <= self.initial_bytes <= self.max_bytes:
+            raise ConfigError(
+                "ProbeConfig needs min_bytes <= initial_bytes <= max_bytes, got "
+                f"{self.min_bytes} / {self.initial_bytes} / {self.max_bytes}"
+            )
+        if not 0 < self.ewma_alpha <= 1:
+            raise ConfigError(f"ProbeConfig.ewma_alpha must be in (0, 1], got {self.ewma_alpha!r}")
+        if self.busy_slowdown < 1:
+            raise ConfigError(f"ProbeConfig.busy_slowdown must be >= 1, got {self.busy_slowdown}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerConfig:
+    """Everything a long-running peer needs to join a swarm."""
+
+    swarm: str = DEFAULT_SWARM  # name of the swarm; peers of different swarms ignore each other
+    initial_peers: tuple[str, ...] = ()  # multiaddrs of live peers; empty starts a new swarm
+    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)  # where p2pd listens
+    announce_maddrs: tuple[str, ...] = ()  # addresses other peers should dial (NAT, public IP)
+    identity_path: str | None = None  # libp2p identity file; gives a stable PeerID
+    device: str = "cpu"  # "cpu" or "cuda:N": the device this peer computes on
+    flops_override: float | None = None  # declared fp32 FLOP/s, replacing the measured one
+    upload_limit_mbps: float | None = None  # cap on this peer's outgoing stream traffic
+    heartbeat: float = 5.0  # seconds between PeerRecord/LinkRecord refreshes
+    record_ttl: float = 20.0  # seconds a record lives without a heartbeat
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+    def __post_init__(self) -> None:
+        if not _SWARM_NAME_RE.match(self.swarm):
+            raise ConfigError(
+                f"PeerConfig.swarm must be 1-64 letters, digits, '-' or '_', got {self.swarm!r}"
+            )
+        for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
+            for maddr in getattr(self, name):
+                if not isinstance(maddr, str) or not maddr.startswith("/"):
+                    raise ConfigError(f"PeerConfig.{name} holds {maddr!r}, not a multiaddr")
+        if not self.host_maddrs:
+            raise ConfigError("PeerConfig.host_maddrs must name at least one address")
+        if self.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", self.device):
+            raise ConfigError(f"PeerConfig.device must be 'cpu' or 'cuda:N', got {self.device!r}")
+        _positive("PeerConfig", heartbeat=self.heartbeat, record_ttl=self.record_ttl)
+        if self.flops_override is not None:
+            _positive("PeerConfig", flops_override=self.flops_override)
+        if self.upload_limit_mbps is not None:
+            _positive("PeerConfig", upload_limit_mbps=self.upload_limit_mbps)
+        if self.record_ttl < 2 * self.heartbeat:
+            raise ConfigError(
+                f"PeerConfig.record_ttl ({self.record_ttl}) must be at least twice the "
+                f"heartbeat ({self.heartbeat}), or records expire between refreshes"
+            )

@@ -1,0 +1,50 @@
+"""The one exception tree of fusionp2p.
+
+FusionP2PError
+├── ConfigError            a config value is invalid (bad CLI flag, bad dataclass field)
+├── RecordError            a wire record is malformed, oversized or from a newer major version
+├── ProtocolError          a peer sent bytes that break a stream protocol (size, order, kind)
+├── PeerUnreachableError   a remote call or stream to a peer failed or passed its deadline
+├── SwarmError             joining, reading or leaving the swarm failed
+└── ProfileError           measuring this device failed
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "FusionP2PError",
+    "PeerUnreachableError",
+    "ProfileError",
+    "ProtocolError",
+    "RecordError",
+    "SwarmError",
+]
+
+
+class FusionP2PError(Exception):
+    """Root of every error fusionp2p raises on purpose."""
+
+
+class ConfigError(FusionP2PError, ValueError):
+    """A configuration value is invalid; the message names the field and the value."""
+
+
+class RecordError(FusionP2PError, ValueError):
+    """A wire record (DHT value, OpData header) is malformed, oversized or unsupported."""
+
+
+class ProtocolError(FusionP2PError):
+    """A peer broke a stream protocol: wrong frame kind, oversized frame, bad order."""
+
+
+class PeerUnreachableError(FusionP2PError):
+    """A remote peer did not answer in time or its stream broke."""
+
+
+class SwarmError(FusionP2PError):
+    """Joining, reading or leaving the swarm failed."""
+
+
+class ProfileError(FusionP2PError):
+    """Measuring this device's compute or memory failed."""

@@ -1,0 +1,71 @@
+"""Starting this process's hivemind DHT node, and keeping it from outliving us.
+
+hivemind runs the DHT in a child process that owns a ``p2pd`` child. If our process dies
+(SIGKILL), both would keep running; ``_exit_with_parent`` runs inside the DHT process,
+notices the re-parenting within a second and shuts the node (and so ``p2pd``) down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+
+import hivemind
+
+from fusionp2p.errors import SwarmError
+from fusionp2p.net.validation import make_validators
+
+__all__ = ["start_dht"]
+
+logger = logging.getLogger(__name__)
+
+_WATCH_PERIOD = 0.5
+
+
+async def _exit_with_parent(_dht: hivemind.DHT, node: hivemind.DHTNode) -> None:
+    """Runs in the DHT process: exits (and stops p2pd) once the process that started it is gone."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        await asyncio.sleep(_WATCH_PERIOD)
+    try:
+        await asyncio.wait_for(node.shutdown(), 5)
+    finally:
+        os._exit(0)
+
+
+def start_dht(
+    *,
+    initial_peers: Sequence[str],
+    host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+    announce_maddrs: Sequence[str] = (),
+    identity_path: str | None = None,
+    signing_key: object | None = None,
+    client_mode: bool = False,
+) -> hivemind.DHT:
+    """Starts a DHT node with fusionp2p's record validators and a parent watchdog.
+
+    Raises:
+        SwarmError: p2pd could not start or no initial peer answered.
+    """
+    kwargs = {}
+    if announce_maddrs:
+        kwargs["announce_maddrs"] = list(announce_maddrs)
+    if identity_path is not None:
+        kwargs["identity_path"] = identity_path
+    try:
+        dht = hivemind.DHT(
+            initial_peers=list(initial_peers) or None,
+            start=True,
+            client_mode=client_mode,
+            host_maddrs=list(host_maddrs),
+            record_validators=make_validators(signing_key),
+            nat_port_map=False,  # no UPnP/NAT-PMP chatter with the LAN router
+            **kwargs,
+        )
+    except Exception as e:
+        hint = " (is any initial peer alive and reachable?)" if initial_peers else ""
+        raise SwarmError(f"could not start the DHT node: {e}{hint}") from e
+    dht.run_coroutine(_exit_with_parent, return_future=True)
+    return dht

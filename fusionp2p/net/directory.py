@@ -1,0 +1,130 @@
+"""The swarm's directory in the DHT: where PeerRecords and LinkRecords live.
+
+Layout (every value is one small signed record; DESIGN.md explains why values stay small):
+
+    {swarm}.peers.{shard}   subkey  b"{peer_id}" + owner marker  ->  PeerRecord
+    {swarm}.links.{src}     subkey  b"{dst}" + owner marker      ->  LinkRecord (src -> dst)
+
+Peers are spread over ``PEER_SHARDS`` keys so no single DHT value grows with the swarm;
+each link subkey expires on its own. A record only counts while it is unexpired, so a
+peer that dies without leaving disappears within its record TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Iterable, Sequence
+
+import hivemind
+from hivemind.utils import get_dht_time
+
+from fusionp2p.errors import RecordError, SwarmError
+from fusionp2p.records import LinkRecord, PeerRecord
+
+__all__ = ["PEER_SHARDS", "SwarmDirectory"]
+
+logger = logging.getLogger(__name__)
+
+PEER_SHARDS = 16
+
+
+def _shard(peer_id: str) -> int:
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") % PEER_SHARDS
+
+
+class SwarmDirectory:
+    """Publishes and fetches a swarm's records through a running ``hivemind.DHT``.
+
+    All methods are coroutines that await the DHT process without blocking the loop.
+    ``owner_marker`` is the signer's ``[owner:...]`` bytes; it is only needed to publish.
+    """
+
+    def __init__(
+        self, dht: hivemind.DHT, swarm: str, *, owner_marker: bytes = b"", timeout: float = 15.0
+    ) -> None:
+        self.dht = dht
+        self.swarm = swarm
+        self.owner_marker = owner_marker
+        self.timeout = timeout
+
+    def peers_key(self, shard: int) -> str:
+        return f"{self.swarm}.peers.{shard}"
+
+    def links_key(self, src: str) -> str:
+        return f"{self.swarm}.links.{src}"
+
+    async def _store(self, key: str, subkey: bytes, value: bytes, expiration: float) -> bool:
+        future = self.dht.store(key, value, expiration, subkey=subkey, return_future=True)
+        return bool(await asyncio.wait_for(future, self.timeout))
+
+    async def publish_peer(self, record: PeerRecord, expiration: float) -> bool:
+        """Stores this peer's record until ``expiration`` (DHT time); True if any replica took it."""
+        if not self.owner_marker:
+            raise SwarmError("this directory has no signing key; it can only read")
+        subkey = record.peer_id.encode() + self.owner_marker
+        return await self._store(self.peers_key(_shard(record.peer_id)), subkey, record.to_wire(), expiration)
+
+    async def publish_links(self, records: Iterable[LinkRecord], expiration: float) -> int:
+        """Stores this peer's link measurements; returns how many were accepted."""
+        if not self.owner_marker:
+            raise SwarmError("this directory has no signing key; it can only read")
+        results = await asyncio.gather(
+            *(
+                self._store(
+                    self.links_key(r.src), r.dst.encode() + self.owner_marker, r.to_wire(), expiration
+                )
+                for r in records
+            ),
+            return_exceptions=True,
+        )
+        return sum(1 for ok in results if ok is True)
+
+    async def _get_dict(self, key: str) -> dict[bytes, bytes]:
+        try:
+            found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True), self.timeout)
+        except asyncio.TimeoutError:
+            logger.warning("DHT get of %s passed its %.0f s deadline", key, self.timeout)
+            return {}
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        now = get_dht_time()
+        return {
+            subkey: item.value
+            for subkey, item in found.value.items()
+            if item.expiration_time >= now and isinstance(item.value, bytes)
+        }
+
+    async def fetch_peers(self, *, include_leaving: bool = False) -> dict[str, PeerRecord]:
+        """Live peers by PeerID (the freshest record of each)."""
+        shards = await asyncio.gather(*(self._get_dict(self.peers_key(s)) for s in range(PEER_SHARDS)))
+        peers: dict[str, PeerRecord] = {}
+        for values in shards:
+            for data in values.values():
+                try:
+                    record = PeerRecord.from_wire(data)
+                except RecordError as e:
+                    logger.warning("protocol error: skipped a malformed PeerRecord: %s", e)
+                    continue
+                known = peers.get(record.peer_id)
+                if known is None or record.updated_at > known.updated_at:
+                    peers[record.peer_id] = record
+        if not include_leaving:
+            peers = {pid: r for pid, r in peers.items() if r.state != "leaving"}
+        return peers
+
+    async def fetch_links(self, sources: Sequence[str]) -> list[LinkRecord]:
+        """Unexpired LinkRecords measured by each peer in ``sources``."""
+        per_source = await asyncio.gather(*(self._get_dict(self.links_key(src)) for src in sources))
+        links: list[LinkRecord] = []
+        for src, values in zip(sources, per_source, strict=True):
+            for data in values.values():
+                try:
+                    record = LinkRecord.from_wire(data)
+                except RecordError as e:
+                    logger.warning("protocol error: skipped a malformed LinkRecord: %s", e)
+                    continue
+                if record.src == src:
+                    links.append(record)
+        return links

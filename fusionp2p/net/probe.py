@@ -1,0 +1,190 @@
+"""Bandwidth and RTT probes over the same stream transport that tensors use.
+
+Protocol ``fusionp2p.probe.v1`` on one stream, prober -> server:
+
+    PING(nonce) ... -> PONG(nonce)     ``ping_count`` tiny round trips; RTT = their median
+    DATA ... END    -> ACK(u64 bytes)  a bounded payload; goodput = bytes / (elapsed - RTT)
+
+The server refuses frames over ``max_bytes`` in total or of an unexpected kind with a
+protocol error. ``LinkEstimator`` smooths samples (EWMA), sizes the next probe of each
+link to take about ``target_seconds``, and picks the bounded sample of peers to probe
+next (links never measured, then the stalest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import struct
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from fusionp2p.config import ProbeConfig
+from fusionp2p.errors import ProtocolError
+from fusionp2p.net.framing import FrameKind
+from fusionp2p.net.transport import FrameStream, Transport
+from fusionp2p.records import LinkRecord
+
+__all__ = ["PROBE_PROTOCOL", "LinkEstimator", "LinkSample", "probe_link", "serve_probe"]
+
+PROBE_PROTOCOL = "fusionp2p.probe.v1"
+_DATA_FRAME = 256 << 10
+_MAX_PING_PAYLOAD = 64
+_U64 = struct.Struct("!Q")
+
+
+@dataclass(frozen=True)
+class LinkSample:
+    """One probe's raw result."""
+
+    bandwidth_bps: float
+    rtt_s: float
+    nbytes: int
+    seconds: float
+
+
+async def serve_probe(stream: FrameStream, *, max_bytes: int, timeout: float) -> None:
+    """Answers one prober on ``stream``.
+
+    Raises:
+        ProtocolError: an unexpected frame kind, or more than ``max_bytes`` of DATA.
+    """
+    received = 0
+    while True:
+        kind, payload = await stream.recv(max_payload=_DATA_FRAME, timeout=timeout)
+        if kind is FrameKind.PING:
+            if len(payload) > _MAX_PING_PAYLOAD:
+                raise ProtocolError(f"PING payload of {len(payload)} bytes > {_MAX_PING_PAYLOAD}")
+            await stream.send(FrameKind.PONG, payload, timeout=timeout)
+        elif kind is FrameKind.DATA:
+            received += len(payload)
+            if received > max_bytes:
+                raise ProtocolError(f"probe sent {received} bytes > limit {max_bytes}")
+        elif kind is FrameKind.END:
+            await stream.send(FrameKind.ACK, _U64.pack(received), timeout=timeout)
+            return
+        else:
+            raise ProtocolError(f"unexpected {kind.name} frame in a probe")
+
+
+async def probe_link(
+    transport: Transport, peer_id: str, *, nbytes: int, ping_count: int, timeout: float
+) -> LinkSample:
+    """Measures RTT and goodput from this peer to ``peer_id``.
+
+    Raises:
+        PeerUnreachableError: the peer did not answer within ``timeout``.
+        ProtocolError: the peer answered with the wrong frames.
+    """
+    async with asyncio.timeout(timeout):
+        stream = await transport.open(peer_id, PROBE_PROTOCOL, timeout=timeout)
+        try:
+            rtts = []
+            for i in range(ping_count):
+                nonce = struct.pack("!I", i)
+                start = time.perf_counter()
+                await stream.send(FrameKind.PING, nonce, timeout=timeout)
+                kind, payload = await stream.recv(max_payload=_MAX_PING_PAYLOAD, timeout=timeout)
+                if kind is not FrameKind.PONG or payload != nonce:
+                    raise ProtocolError(f"expected PONG {i}, got {kind.name}")
+                rtts.append(time.perf_counter() - start)
+            rtt = statistics.median(rtts)
+
+            chunk = bytes(min(_DATA_FRAME, nbytes))
+            start = time.perf_counter()
+            sent = 0
+            while sent < nbytes:
+                piece = chunk[: min(len(chunk), nbytes - sent)]
+                await stream.send(FrameKind.DATA, piece, timeout=timeout)
+                sent += len(piece)
+            await stream.send(FrameKind.END, timeout=timeout)
+            kind, payload = await stream.recv(max_payload=_U64.size, timeout=timeout)
+            seconds = time.perf_counter() - start
+            if kind is not FrameKind.ACK or len(payload) != _U64.size:
+                raise ProtocolError(f"expected ACK, got {kind.name}")
+            (acked,) = _U64.unpack(payload)
+            if acked != nbytes:
+                raise ProtocolError(f"peer acknowledged {acked} bytes of {nbytes}")
+        finally:
+            await stream.close()
+    transfer = max(seconds - rtt, seconds * 0.5, 1e-6)
+    return LinkSample(bandwidth_bps=nbytes / transfer, rtt_s=rtt, nbytes=nbytes, seconds=seconds)
+
+
+@dataclass
+class _LinkState:
+    bandwidth_bps: float
+    rtt_s: float
+    measured_at: float
+    samples: int
+
+
+class LinkEstimator:
+    """Smoothed link estimates of one measuring peer, and the choice of what to probe next."""
+
+    def __init__(self, src: str, config: ProbeConfig, *, rng: random.Random | None = None) -> None:
+        self.src = src
+        self.config = config
+        self._links: dict[str, _LinkState] = {}
+        self._rng = rng or random.Random()
+
+    def update(self, dst: str, sample: LinkSample, now: float) -> LinkRecord:
+        """Folds a sample into the EWMA for ``dst``; returns the record to publish."""
+        alpha = self.config.ewma_alpha
+        state = self._links.get(dst)
+        if state is None:
+            state = _LinkState(sample.bandwidth_bps, sample.rtt_s, now, 1)
+        else:
+            state = _LinkState(
+                (1 - alpha) * state.bandwidth_bps + alpha * sample.bandwidth_bps,
+                (1 - alpha) * state.rtt_s + alpha * sample.rtt_s,
+                now,
+                state.samples + 1,
+            )
+        self._links[dst] = state
+        return self._record(dst, state)
+
+    def _record(self, dst: str, state: _LinkState) -> LinkRecord:
+        return LinkRecord(
+            src=self.src,
+            dst=dst,
+            bandwidth_bps=state.bandwidth_bps,
+            rtt_s=state.rtt_s,
+            measured_at=state.measured_at,
+            samples=state.samples,
+        )
+
+    def records(self, now: float, max_age: float) -> list[LinkRecord]:
+        """Records of links measured within ``max_age`` seconds, to republish."""
+        return [self._record(dst, s) for dst, s in self._links.items() if now - s.measured_at <= max_age]
+
+    def known_peers(self) -> set[str]:
+        """Peers this estimator holds a measurement of."""
+        return set(self._links)
+
+    def forget(self, peers: Iterable[str]) -> None:
+        """Drops estimates of peers that left."""
+        for peer in peers:
+            self._links.pop(peer, None)
+
+    def next_probe_bytes(self, dst: str) -> int:
+        """Payload for the next probe of ``dst``: about ``target_seconds`` of its bandwidth."""
+        state = self._links.get(dst)
+        if state is None:
+            return self.config.initial_bytes
+        wanted = int(state.bandwidth_bps * self.config.target_seconds)
+        return max(self.config.min_bytes, min(self.config.max_bytes, wanted))
+
+    def choose_targets(self, candidates: Iterable[str], now: float) -> list[str]:
+        """Up to ``fanout`` peers to probe: never-measured first, then the stalest."""
+        pool = [c for c in candidates if c != self.src]
+        self._rng.shuffle(pool)
+        pool.sort(key=lambda p: self._links[p].measured_at if p in self._links else float("-inf"))
+        chosen = pool[: self.config.fanout]
+        return [
+            p
+            for p in chosen
+            if p not in self._links or now - self._links[p].measured_at >= self.config.period * 0.5
+        ]

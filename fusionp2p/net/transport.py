@@ -1,0 +1,274 @@
+"""How peers open byte streams to each other.
+
+``Transport`` is the small interface the rest of fusionp2p uses: ``open`` a stream to a
+peer for a protocol name, ``serve`` a protocol with a handler. Three implementations:
+
+- ``P2PTransport``: long-lived libp2p binary streams through hivemind's p2pd (the real one);
+- ``RateLimitedTransport``: wraps another transport and paces every outgoing byte with a
+  token bucket (a user's upload cap; tests use it to create a link of known rate);
+- ``MemoryTransport``: in-process streams for unit tests.
+
+Every stream is a ``FrameStream``: the same framing and limits on every transport.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from hivemind.p2p import P2P, PeerID
+
+from fusionp2p.errors import PeerUnreachableError
+from fusionp2p.net.framing import FRAME_VERSION, HEADER, FrameKind, read_frame, write_frame
+
+__all__ = [
+    "FrameStream",
+    "MemoryTransport",
+    "P2PTransport",
+    "RateLimitedTransport",
+    "StreamHandler",
+    "TokenBucket",
+    "Transport",
+]
+
+logger = logging.getLogger(__name__)
+_PACE_CHUNK = 64 << 10
+
+
+class TokenBucket:
+    """Paces bytes to ``rate`` bytes/s with a burst of at most ``burst`` bytes."""
+
+    def __init__(self, rate: float, burst: float | None = None) -> None:
+        if rate <= 0:
+            raise ValueError(f"rate must be > 0, got {rate}")
+        self.rate = rate
+        self.burst = burst if burst is not None else min(_PACE_CHUNK, rate * 0.05)
+        self._tokens = self.burst
+        self._last = time.monotonic()
+        self._lock = asyncio.Lock()
+
+    async def acquire(self, nbytes: int) -> None:
+        """Waits until ``nbytes`` may go out; larger-than-burst requests go into debt."""
+        async with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+            self._last = now
+            self._tokens -= nbytes
+            if self._tokens < 0:
+                await asyncio.sleep(-self._tokens / self.rate)
+
+
+class FrameStream:
+    """One bidirectional stream of frames to ``remote`` (a base58 PeerID)."""
+
+    def __init__(
+        self,
+        remote: str,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        bucket: TokenBucket | None = None,
+    ) -> None:
+        self.remote = remote
+        self._reader = reader
+        self._writer = writer
+        self._bucket = bucket
+
+    async def send(self, kind: FrameKind, payload: bytes = b"", *, timeout: float = 30.0) -> None:
+        """Sends one frame, paced by this stream's token bucket if it has one.
+
+        Raises:
+            PeerUnreachableError: the stream broke or the send passed ``timeout``.
+        """
+        try:
+            async with asyncio.timeout(timeout):
+                if self._bucket is None:
+                    await write_frame(self._writer, kind, payload)
+                else:
+                    await self._send_paced(kind, memoryview(payload), self._bucket)
+        except TimeoutError as e:
+            raise PeerUnreachableError(f"send to {self.remote[:12]} passed {timeout:.1f} s") from e
+        except ConnectionError as e:
+            raise PeerUnreachableError(f"stream to {self.remote[:12]} broke: {e}") from e
+
+    async def _send_paced(self, kind: FrameKind, view: memoryview, bucket: TokenBucket) -> None:
+        await bucket.acquire(HEADER.size)
+        self._writer.write(HEADER.pack(FRAME_VERSION, int(kind), len(view)))
+        for offset in range(0, len(view), _PACE_CHUNK):
+            piece = view[offset : offset + _PACE_CHUNK]
+            await bucket.acquire(len(piece))
+            self._writer.write(piece)
+            await self._writer.drain()
+        await self._writer.drain()
+
+    async def recv(self, *, max_payload: int, timeout: float) -> tuple[FrameKind, bytes]:
+        """Receives one frame (see ``read_frame`` for errors)."""
+        return await read_frame(self._reader, max_payload=max_payload, timeout=timeout)
+
+    async def close(self) -> None:
+        """Closes the stream; never raises."""
+        with contextlib.suppress(Exception):
+            self._writer.close()
+            await asyncio.wait_for(self._writer.wait_closed(), 2.0)
+
+
+StreamHandler = Callable[[FrameStream], Awaitable[None]]
+
+
+class Transport(abc.ABC):
+    """Opens and serves frame streams between peers."""
+
+    @property
+    @abc.abstractmethod
+    def peer_id(self) -> str:
+        """This side's base58 PeerID."""
+
+    @abc.abstractmethod
+    async def open(self, peer_id: str, protocol: str, *, timeout: float) -> FrameStream:
+        """Opens a stream to ``peer_id`` for ``protocol``.
+
+        Raises:
+            PeerUnreachableError: the peer could not be reached within ``timeout``.
+        """
+
+    @abc.abstractmethod
+    async def serve(self, protocol: str, handler: StreamHandler) -> None:
+        """Calls ``handler`` with each incoming stream of ``protocol`` (closed afterwards)."""
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        """Stops serving; open streams are closed by their users."""
+
+
+async def _run_handler(handler: StreamHandler, stream: FrameStream, protocol: str) -> None:
+    try:
+        await handler(stream)
+    except Exception as e:  # a bad peer must never take the server down
+        logger.warning("%s handler for %s failed: %s: %s", protocol, stream.remote[:12], type(e).__name__, e)
+    finally:
+        await stream.close()
+
+
+class P2PTransport(Transport):
+    """Binary libp2p streams through a hivemind P2P instance (usually ``dht.replicate_p2p()``)."""
+
+    def __init__(self, p2p: P2P) -> None:
+        self._p2p = p2p
+        self._protocols: list[str] = []
+
+    @property
+    def peer_id(self) -> str:
+        return self._p2p.peer_id.to_base58()
+
+    async def open(self, peer_id: str, protocol: str, *, timeout: float) -> FrameStream:
+        try:
+            _, reader, writer = await asyncio.wait_for(
+                self._p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol), timeout
+            )
+        except Exception as e:
+            raise PeerUnreachableError(f"cannot open {protocol} to {peer_id[:12]}: {e!r}") from e
+        return FrameStream(peer_id, reader, writer)
+
+    async def serve(self, protocol: str, handler: StreamHandler) -> None:
+        async def on_stream(info, reader, writer) -> None:
+            await _run_handler(handler, FrameStream(info.peer_id.to_base58(), reader, writer), protocol)
+
+        await self._p2p.add_binary_stream_handler(protocol, on_stream)
+        self._protocols.append(protocol)
+
+    async def aclose(self) -> None:
+        for protocol in self._protocols:
+            with contextlib.suppress(Exception):
+                await self._p2p.remove_binary_stream_handler(protocol)
+        self._protocols.clear()
+
+
+class RateLimitedTransport(Transport):
+    """Paces every outgoing byte of ``inner`` to ``bytes_per_second`` (one shared bucket)."""
+
+    def __init__(self, inner: Transport, bytes_per_second: float) -> None:
+        self._inner = inner
+        self.bucket = TokenBucket(bytes_per_second)
+
+    @property
+    def peer_id(self) -> str:
+        return self._inner.peer_id
+
+    async def open(self, peer_id: str, protocol: str, *, timeout: float) -> FrameStream:
+        stream = await self._inner.open(peer_id, protocol, timeout=timeout)
+        stream._bucket = self.bucket
+        return stream
+
+    async def serve(self, protocol: str, handler: StreamHandler) -> None:
+        async def paced(stream: FrameStream) -> None:
+            stream._bucket = self.bucket
+            await handler(stream)
+
+        await self._inner.serve(protocol, paced)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class _MemoryWriter:
+    """The writing half of an in-memory stream: feeds the other side's reader."""
+
+    def __init__(self, peer_reader: asyncio.StreamReader) -> None:
+        self._peer_reader = peer_reader
+        self._closed = False
+
+    def write(self, data: bytes | memoryview) -> None:
+        if self._closed:
+            raise ConnectionResetError("stream is closed")
+        self._peer_reader.feed_data(bytes(data))
+
+    async def drain(self) -> None:
+        await asyncio.sleep(0)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._peer_reader.feed_eof()
+
+    async def wait_closed(self) -> None:
+        return None
+
+
+class MemoryTransport(Transport):
+    """In-process transport: every MemoryTransport sharing one ``hub`` dict can reach the others."""
+
+    def __init__(self, peer_id: str, hub: dict[str, MemoryTransport]) -> None:
+        self._peer_id = peer_id
+        self._hub = hub
+        self._handlers: dict[str, StreamHandler] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        hub[peer_id] = self
+
+    @property
+    def peer_id(self) -> str:
+        return self._peer_id
+
+    async def open(self, peer_id: str, protocol: str, *, timeout: float) -> FrameStream:
+        remote = self._hub.get(peer_id)
+        if remote is None or protocol not in remote._handlers:
+            raise PeerUnreachableError(f"no {protocol} handler at {peer_id[:12]}")
+        near_reader, far_reader = asyncio.StreamReader(), asyncio.StreamReader()
+        near = FrameStream(peer_id, near_reader, _MemoryWriter(far_reader))  # type: ignore[arg-type]
+        far = FrameStream(self._peer_id, far_reader, _MemoryWriter(near_reader))  # type: ignore[arg-type]
+        task = asyncio.create_task(_run_handler(remote._handlers[protocol], far, protocol))
+        remote._tasks.add(task)
+        task.add_done_callback(remote._tasks.discard)
+        return near
+
+    async def serve(self, protocol: str, handler: StreamHandler) -> None:
+        self._handlers[protocol] = handler
+
+    async def aclose(self) -> None:
+        self._handlers.clear()
+        self._hub.pop(self._peer_id, None)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,107 @@
+"""DHT record validators that every fusionp2p DHT node runs.
+
+hivemind calls ``validate`` on every record a peer asks us to store and on every record
+another peer returns to us. Two validators, applied in this order:
+
+1. ``LoggingSignatureValidator``: hivemind's RSA check (a subkey holding
+   ``[owner:<key>]`` must carry that key's signature), but a failure is logged.
+2. ``SwarmRecordValidator``: the stripped value must be a well-formed fusionp2p record,
+   no larger than ``MAX_RECORD_BYTES``, signed (owner marker present), and the peer it
+   speaks for must be the PeerID of the signing key.
+
+A rejected record is dropped and logged as a protocol error; the node keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgpack
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import get_dht_time
+
+from fusionp2p.errors import RecordError
+from fusionp2p.net.identity import peer_id_from_public_key
+from fusionp2p.records import MAX_RECORD_BYTES, PeerRecord, decode_record
+
+__all__ = ["MAX_RECORD_LIFETIME", "LoggingSignatureValidator", "SwarmRecordValidator", "make_validators"]
+
+logger = logging.getLogger(__name__)
+
+MAX_RECORD_LIFETIME = 3600.0  # a record may not claim to live longer than this from now
+_WIRE_OVERHEAD = 16  # msgpack framing around the record bytes
+_LOG_INTERVAL = 5.0
+
+
+class _RejectionLog:
+    """Logs each kind of rejection at most once per interval, with a count of the rest."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def reject(self, reason: str, detail: str) -> bool:
+        now = time.monotonic()
+        last, suppressed = self._last.get(reason, (-1e9, 0))
+        if now - last >= _LOG_INTERVAL:
+            more = f" (+{suppressed} similar)" if suppressed else ""
+            logger.warning("protocol error: rejected DHT record: %s: %s%s", reason, detail, more)
+            self._last[reason] = (now, 0)
+        else:
+            self._last[reason] = (last, suppressed + 1)
+        return False
+
+
+class LoggingSignatureValidator(RSASignatureValidator):
+    """hivemind's RSA owner/signature check, logging each rejection as a protocol error."""
+
+    def __init__(self, private_key=None) -> None:
+        super().__init__(private_key)
+        self._log = _RejectionLog()
+
+    def validate(self, record: DHTRecord) -> bool:
+        if super().validate(record):
+            return True
+        return self._log.reject("bad signature", "the value is not signed by the key in its subkey")
+
+
+class SwarmRecordValidator(RecordValidatorBase):
+    """Accepts only signed, well-formed, small fusionp2p records whose signer is their peer."""
+
+    def __init__(self) -> None:
+        self._log = _RejectionLog()
+
+    @property
+    def priority(self) -> int:
+        return 0  # after the signature validator, on the value stripped of its signature
+
+    def validate(self, record: DHTRecord) -> bool:
+        if len(record.value) > MAX_RECORD_BYTES + _WIRE_OVERHEAD:
+            return self._log.reject("oversized", f"{len(record.value)} bytes > {MAX_RECORD_BYTES}")
+        if record.expiration_time > get_dht_time() + MAX_RECORD_LIFETIME:
+            return self._log.reject("expiration too far", f"{record.expiration_time:.0f}")
+        owners = RSASignatureValidator._PUBLIC_KEY_RE.findall(record.subkey or b"")
+        if len(owners) != 1:
+            return self._log.reject("unsigned", "the subkey names no single owner key")
+        try:
+            data = msgpack.unpackb(record.value, raw=False)
+            parsed = decode_record(data)
+        except (RecordError, ValueError, TypeError, msgpack.UnpackException) as e:
+            return self._log.reject("malformed", str(e)[:200])
+        claimed = parsed.peer_id if isinstance(parsed, PeerRecord) else parsed.src
+        try:
+            signer = peer_id_from_public_key(owners[0])
+        except (ValueError, TypeError) as e:
+            return self._log.reject("bad owner key", str(e)[:200])
+        if claimed != signer:
+            return self._log.reject("forged", f"record for {claimed[:16]} signed by {signer[:16]}")
+        return True
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return isinstance(other, SwarmRecordValidator)
+
+
+def make_validators(private_key=None) -> list[RecordValidatorBase]:
+    """The validators a fusionp2p DHT node runs; ``private_key`` signs this node's records."""
+    return [LoggingSignatureValidator(private_key), SwarmRecordValidator()]

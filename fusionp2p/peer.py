@@ -1,0 +1,236 @@
+"""The long-running peer: joins the swarm, publishes what it measured, answers probes.
+
+A ``Peer`` is an async resource: ``peer = await Peer.create(config)`` ... ``await
+peer.aclose()``, or ``async with await Peer.create(config) as peer``. While open it runs
+two tracked background tasks: the heartbeat (PeerRecord + its LinkRecords, each a signed
+expiring DHT entry) and the probe loop (a bounded sample of peers per period).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+
+import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import get_dht_time
+
+from fusionp2p import __version__
+from fusionp2p.config import PeerConfig
+from fusionp2p.errors import FusionP2PError
+from fusionp2p.net.dht_node import start_dht
+from fusionp2p.net.directory import SwarmDirectory
+from fusionp2p.net.identity import ensure_identity, load_signing_key
+from fusionp2p.net.probe import PROBE_PROTOCOL, LinkEstimator, probe_link, serve_probe
+from fusionp2p.net.transport import P2PTransport, RateLimitedTransport, Transport
+from fusionp2p.records import PeerRecord
+from fusionp2p.runtime.device_profile import DeviceProfile, free_memory, profile_device
+
+__all__ = ["Peer"]
+
+logger = logging.getLogger(__name__)
+
+
+class Peer:
+    """A swarm member on this machine. Create with ``await Peer.create(config)``."""
+
+    def __init__(
+        self,
+        config: PeerConfig,
+        dht: hivemind.DHT,
+        transport: Transport,
+        profile: DeviceProfile,
+        directory: SwarmDirectory,
+        tmpdir: str | None,
+    ) -> None:
+        self.config = config
+        self.dht = dht
+        self.transport = transport
+        self.profile = profile
+        self.directory = directory
+        self.peer_id = transport.peer_id
+        self.estimator = LinkEstimator(self.peer_id, config.probe)
+        self.state = "joining"
+        self.started_at = get_dht_time()
+        self._tmpdir = tmpdir
+        self._busy = False
+        self._expiration = 0.0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    @classmethod
+    async def create(cls, config: PeerConfig) -> Peer:
+        """Profiles the device, starts the DHT node and joins the swarm.
+
+        Raises:
+            ConfigError: a bad identity file.
+            SwarmError: the DHT node could not start or join.
+            ProfileError: the device could not be measured.
+        """
+        tmpdir = None
+        identity_path = config.identity_path
+        if identity_path is None:
+            tmpdir = tempfile.mkdtemp(prefix="fusionp2p-")
+            identity_path = os.path.join(tmpdir, "identity.key")
+        ensure_identity(identity_path)
+        signing_key = load_signing_key(identity_path)
+        profile = await asyncio.to_thread(profile_device, config.device, flops_override=config.flops_override)
+        dht = start_dht(
+            initial_peers=config.initial_peers,
+            host_maddrs=config.host_maddrs,
+            announce_maddrs=config.announce_maddrs,
+            identity_path=identity_path,
+            signing_key=signing_key,
+        )
+        try:
+            transport: Transport = P2PTransport(await dht.replicate_p2p())
+            if config.upload_limit_mbps is not None:
+                transport = RateLimitedTransport(transport, config.upload_limit_mbps * 1e6 / 8)
+            marker = RSASignatureValidator(signing_key).local_public_key
+            directory = SwarmDirectory(dht, config.swarm, owner_marker=marker, timeout=config.timeouts.dht)
+            peer = cls(config, dht, transport, profile, directory, tmpdir)
+            await transport.serve(PROBE_PROTOCOL, peer._serve_probe)
+            await peer._publish_self()
+            peer.state = "idle"
+            await peer._publish_self()
+        except BaseException:
+            dht.shutdown()
+            if tmpdir:
+                shutil.rmtree(tmpdir, ignore_errors=True)
+            raise
+        peer._spawn(peer._heartbeat_loop(), "heartbeat")
+        peer._spawn(peer._probe_loop(), "probe")
+        logger.info("peer %s joined swarm %r", peer.peer_id, config.swarm)
+        return peer
+
+    async def __aenter__(self) -> Peer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def multiaddrs(self) -> list[str]:
+        """Addresses another machine passes as ``--initial-peers`` to join through this peer."""
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    def set_busy(self, busy: bool) -> None:
+        """Marks the peer as training: it probes ``busy_slowdown`` times less often."""
+        self._busy = busy
+        self.state = "training" if busy else "idle"
+
+    def _spawn(self, coro, name: str) -> None:
+        task = asyncio.create_task(coro, name=f"fusionp2p.{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve_probe(self, stream) -> None:
+        await serve_probe(stream, max_bytes=self.config.probe.max_bytes, timeout=self.config.timeouts.probe)
+
+    def _peer_record(self, now: float) -> PeerRecord:
+        free, total = free_memory(self.config.device)
+        limit = (self.config.upload_limit_mbps or 0) * 1e6 / 8
+        return PeerRecord(
+            peer_id=self.peer_id,
+            maddrs=tuple(self.multiaddrs[:8]),
+            device=self.profile.device,
+            device_name=self.profile.device_name[:64],
+            flops=dict(self.profile.flops),
+            memory_bytes=free,
+            total_memory_bytes=total,
+            state=self.state,
+            started_at=self.started_at,
+            updated_at=now,
+            torch_version=self.profile.torch_version,
+            fusionp2p_version=__version__,
+            executors=self.profile.executors,
+            upload_limit_bps=limit,
+        )
+
+    def _next_expiration(self, now: float) -> float:
+        # the DHT keeps the record with the highest expiration: never go below the last one
+        self._expiration = max(now + self.config.record_ttl, self._expiration + 1e-3)
+        return self._expiration
+
+    async def _publish_self(self) -> None:
+        now = get_dht_time()
+        record = self._peer_record(now)
+        if not await self.directory.publish_peer(record, self._next_expiration(now)):
+            logger.warning("no DHT node accepted this peer's record (state %s)", self.state)
+
+    async def _publish_links(self) -> None:
+        now = get_dht_time()
+        records = self.estimator.records(now, max_age=self.config.probe.fresh_seconds * 2)
+        if records:
+            await self.directory.publish_links(records, now + self.config.record_ttl)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat)
+            try:
+                await self._publish_self()
+                await self._publish_links()
+            except (FusionP2PError, asyncio.TimeoutError, OSError) as e:
+                logger.warning("heartbeat failed, will retry: %s", e)
+
+    async def _probe_loop(self) -> None:
+        cfg = self.config.probe
+        await asyncio.sleep(min(1.0, cfg.period))
+        while True:
+            try:
+                await self._probe_round()
+            except (FusionP2PError, asyncio.TimeoutError, OSError) as e:
+                logger.warning("probe round failed, will retry: %s", e)
+            await asyncio.sleep(cfg.period * (cfg.busy_slowdown if self._busy else 1.0))
+
+    async def _probe_round(self) -> None:
+        peers = await self.directory.fetch_peers()
+        now = get_dht_time()
+        self.estimator.forget(self.estimator.known_peers() - set(peers))
+        measured = []
+        for dst in self.estimator.choose_targets(peers, now):
+            nbytes = self.estimator.next_probe_bytes(dst)
+            try:
+                sample = await probe_link(
+                    self.transport,
+                    dst,
+                    nbytes=nbytes,
+                    ping_count=self.config.probe.ping_count,
+                    timeout=self.config.timeouts.probe,
+                )
+            except (FusionP2PError, TimeoutError, OSError) as e:
+                logger.info("probe of %s failed: %s", dst[:12], e)
+                continue
+            record = self.estimator.update(dst, sample, get_dht_time())
+            measured.append(record)
+            logger.debug(
+                "link -> %s: %.1f MB/s, rtt %.2f ms (%d bytes)",
+                dst[:12],
+                sample.bandwidth_bps / 1e6,
+                sample.rtt_s * 1e3,
+                nbytes,
+            )
+        if measured:
+            await self.directory.publish_links(measured, get_dht_time() + self.config.record_ttl)
+
+    async def aclose(self) -> None:
+        """Leaves the swarm: marks the record 'leaving', stops tasks, stops the DHT and p2pd."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.state = "leaving"
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._publish_self(), self.config.timeouts.shutdown / 2)
+        with contextlib.suppress(Exception):
+            await self.transport.aclose()
+        await asyncio.to_thread(self.dht.shutdown)
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+        logger.info("peer %s left swarm %r", self.peer_id, self.config.swarm)

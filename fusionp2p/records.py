@@ -1,0 +1,204 @@
+"""Everything that goes into the DHT: versioned, validated wire records.
+
+Each record is a frozen dataclass with ``to_wire() -> bytes`` and ``from_wire(bytes)``.
+The wire form is a msgpack map with string keys (never pickle). ``from_wire`` checks
+size, types and ranges, ignores unknown fields (so newer peers can add some) and
+rejects a newer *major* schema version. Every record stays far below hivemind's
+~32 KiB DHT value limit: ``MAX_RECORD_BYTES`` is enforced on both ends.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar, TypeVar, get_type_hints
+
+import msgpack
+
+from fusionp2p.errors import RecordError
+
+__all__ = [
+    "MAX_RECORD_BYTES",
+    "PEER_STATES",
+    "LinkRecord",
+    "PeerRecord",
+    "decode_record",
+]
+
+MAX_RECORD_BYTES = 4096
+PEER_STATES = ("joining", "idle", "training", "leaving")
+_MAX_LIST = 16
+_MAX_STR = 256
+
+R = TypeVar("R", bound="_WireRecord")
+
+
+def _check_field(name: str, value: Any, annotation: Any) -> Any:
+    """Checks one decoded field against its annotation; returns the normalized value."""
+    origin = getattr(annotation, "__origin__", None)
+    if annotation is str:
+        if not isinstance(value, str) or len(value) > _MAX_STR:
+            raise RecordError(f"field {name!r} must be a string of <= {_MAX_STR} chars, got {value!r:.80}")
+        return value
+    if annotation is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise RecordError(f"field {name!r} must be an integer, got {value!r:.80}")
+        return value
+    if annotation is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise RecordError(f"field {name!r} must be a finite number, got {value!r:.80}")
+        return float(value)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) > _MAX_LIST:
+            raise RecordError(f"field {name!r} must be a list of <= {_MAX_LIST} items, got {value!r:.80}")
+        return tuple(_check_field(f"{name}[]", item, str) for item in value)
+    if origin is dict:
+        if not isinstance(value, dict) or len(value) > _MAX_LIST:
+            raise RecordError(f"field {name!r} must be a map of <= {_MAX_LIST} items, got {value!r:.80}")
+        return {
+            _check_field(f"{name} key", k, str): _check_field(f"{name}[{k}]", v, float)
+            for k, v in value.items()
+        }
+    raise TypeError(f"unsupported annotation {annotation!r} for {name}")  # a bug here, not input
+
+
+@dataclass(frozen=True)
+class _WireRecord:
+    """Shared encode/decode for records; subclasses set ``KIND`` and declare fields."""
+
+    KIND: ClassVar[str] = ""
+    VERSION: ClassVar[int] = 1  # major schema version; minor additions are new optional fields
+
+    def to_wire(self) -> bytes:
+        """Encodes the record; raises RecordError if it would exceed MAX_RECORD_BYTES."""
+        body = {"kind": self.KIND, "v": self.VERSION, **asdict(self)}
+        data = msgpack.packb(body, use_bin_type=True)
+        if len(data) > MAX_RECORD_BYTES:
+            raise RecordError(f"{self.KIND} record is {len(data)} bytes > {MAX_RECORD_BYTES}")
+        return data
+
+    @classmethod
+    def from_wire(cls: type[R], data: bytes) -> R:
+        """Decodes and validates a record of this class.
+
+        Raises:
+            RecordError: oversized, not msgpack, wrong kind, newer major version,
+                a missing required field or a field of the wrong type or range.
+        """
+        body = _unpack(data)
+        if body.get("kind") != cls.KIND:
+            raise RecordError(f"expected a {cls.KIND!r} record, got kind {body.get('kind')!r:.40}")
+        return cls._from_body(body)
+
+    @classmethod
+    def _from_body(cls: type[R], body: dict[str, Any]) -> R:
+        version = body.get("v")
+        if not isinstance(version, int) or version < 1:
+            raise RecordError(f"{cls.KIND} record has no valid version, got {version!r:.40}")
+        if version > cls.VERSION:
+            raise RecordError(f"{cls.KIND} record version {version} is newer than {cls.VERSION}")
+        hints = get_type_hints(cls)
+        kwargs = {}
+        for f in fields(cls):
+            if f.name in body:
+                kwargs[f.name] = _check_field(f.name, body[f.name], hints[f.name])
+        try:
+            return cls(**kwargs)
+        except TypeError as e:
+            raise RecordError(f"{cls.KIND} record misses a field: {e}") from e
+
+
+def _unpack(data: bytes) -> dict[str, Any]:
+    if not isinstance(data, (bytes, bytearray)):
+        raise RecordError(f"a record must be bytes, got {type(data).__name__}")
+    if len(data) > MAX_RECORD_BYTES:
+        raise RecordError(f"record of {len(data)} bytes exceeds the limit of {MAX_RECORD_BYTES}")
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:
+        raise RecordError(f"record is not valid msgpack: {e}") from e
+    if not isinstance(body, dict):
+        raise RecordError(f"record must be a map, got {type(body).__name__}")
+    return body
+
+
+@dataclass(frozen=True)
+class PeerRecord(_WireRecord):
+    """A peer's measured profile and addresses, refreshed by its heartbeat."""
+
+    KIND: ClassVar[str] = "peer"
+
+    peer_id: str  # base58 libp2p PeerID; must match the key that signed the record
+    maddrs: tuple[str, ...]  # multiaddrs others can dial
+    device: str  # "cpu" or "cuda:N"
+    device_name: str  # human-readable device model
+    flops: dict[str, float]  # measured matmul FLOP/s per dtype ("float32", "bfloat16", ...)
+    memory_bytes: int  # free memory on the device at the last heartbeat
+    total_memory_bytes: int  # total memory on the device
+    state: str  # one of PEER_STATES
+    started_at: float  # DHT time the peer started
+    updated_at: float  # DHT time of this heartbeat
+    torch_version: str = ""
+    fusionp2p_version: str = ""
+    executors: tuple[str, ...] = ("torch",)  # execution engines this peer offers
+    upload_limit_bps: float = 0.0  # declared cap on outgoing bytes/s, 0 for none
+
+    def __post_init__(self) -> None:
+        if not self.peer_id:
+            raise RecordError("PeerRecord.peer_id is empty")
+        if self.state not in PEER_STATES:
+            raise RecordError(f"PeerRecord.state must be one of {PEER_STATES}, got {self.state!r}")
+        if self.memory_bytes < 0 or self.total_memory_bytes < 0:
+            raise RecordError(
+                f"PeerRecord memory must be >= 0, got {self.memory_bytes}/{self.total_memory_bytes}"
+            )
+        if any(v <= 0 for v in self.flops.values()) or "float32" not in self.flops:
+            raise RecordError(f"PeerRecord.flops needs a positive 'float32' entry, got {self.flops}")
+        if self.upload_limit_bps < 0:
+            raise RecordError(f"PeerRecord.upload_limit_bps must be >= 0, got {self.upload_limit_bps}")
+
+    @property
+    def fp32_flops(self) -> float:
+        """Measured (or declared) float32 matmul speed in FLOP/s."""
+        return self.flops["float32"]
+
+
+@dataclass(frozen=True)
+class LinkRecord(_WireRecord):
+    """One measured direction of one link: ``src`` sending to ``dst``."""
+
+    KIND: ClassVar[str] = "link"
+
+    src: str  # base58 PeerID of the measuring (sending) peer; must match the signer
+    dst: str  # base58 PeerID of the receiving peer
+    bandwidth_bps: float  # smoothed goodput in bytes per second
+    rtt_s: float  # smoothed round-trip time in seconds
+    measured_at: float  # DHT time of the latest probe
+    samples: int = 1  # probes folded into the smoothed values
+    extra: dict[str, float] = field(default_factory=dict)  # room for later measurements
+
+    def __post_init__(self) -> None:
+        if not self.src or not self.dst or self.src == self.dst:
+            raise RecordError(f"LinkRecord needs two distinct peers, got {self.src!r} -> {self.dst!r}")
+        if self.bandwidth_bps <= 0 or self.rtt_s < 0:
+            raise RecordError(
+                f"LinkRecord needs bandwidth > 0 and rtt >= 0, got {self.bandwidth_bps}, {self.rtt_s}"
+            )
+        if self.samples < 1:
+            raise RecordError(f"LinkRecord.samples must be >= 1, got {self.samples}")
+
+
+_KINDS: dict[str, type[_WireRecord]] = {cls.KIND: cls for cls in (PeerRecord, LinkRecord)}
+
+
+def decode_record(data: bytes) -> PeerRecord | LinkRecord:
+    """Decodes any known record by its ``kind`` field.
+
+    Raises:
+        RecordError: the bytes are not a valid record of a known kind.
+    """
+    body = _unpack(data)
+    cls = _KINDS.get(body.get("kind"))  # type: ignore[arg-type]
+    if cls is None:
+        raise RecordError(f"unknown record kind {body.get('kind')!r:.40}")
+    return cls._from_body(body)  # type: ignore[return-value]

@@ -1,0 +1,141 @@
+"""Measured, not declared: the compute speed and memory of this peer's device.
+
+``profile_device`` times square matmuls per dtype for a short, bounded time and caches
+the result per device (name, torch version, host) so a restart is quick. Free memory is
+read fresh every time, since it changes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from fusionp2p.errors import ProfileError
+
+__all__ = ["DeviceProfile", "free_memory", "measure_device", "profile_device"]
+
+logger = logging.getLogger(__name__)
+
+_CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What a peer publishes about its device."""
+
+    device: str  # "cpu" or "cuda:N"
+    device_name: str
+    flops: dict[str, float]  # matmul FLOP/s per dtype name; always has "float32"
+    total_memory_bytes: int
+    torch_version: str = torch.__version__
+    executors: tuple[str, ...] = ("torch",)
+    measured: dict[str, bool] = field(default_factory=dict)  # False where --flops overrode it
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def free_memory(device: str) -> tuple[int, int]:
+    """(free, total) bytes of memory on ``device``."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, total = torch.cuda.mem_get_info(dev)
+        return int(free), int(total)
+    page = os.sysconf("SC_PAGE_SIZE")
+    return int(os.sysconf("SC_AVPHYS_PAGES") * page), int(os.sysconf("SC_PHYS_PAGES") * page)
+
+
+def _time_matmul(device: torch.device, dtype: torch.dtype, n: int, budget_s: float) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.float32).to(dtype)
+    b = torch.randn(n, n, device=device, dtype=torch.float32).to(dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.matmul(a, b)  # warm-up
+    sync()
+    runs, start = 0, time.perf_counter()
+    while True:
+        torch.matmul(a, b)
+        runs += 1
+        sync()
+        elapsed = time.perf_counter() - start
+        if elapsed >= budget_s or runs >= 1000:
+            return 2.0 * n**3 * runs / elapsed
+
+
+def measure_device(device: str, *, budget_s: float = 0.5) -> DeviceProfile:
+    """Times matmuls on ``device`` (fp32 always; bf16/fp16 where they run).
+
+    Raises:
+        ProfileError: the device is missing or fp32 matmul fails.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ProfileError(f"device {device} requested but CUDA is not available here")
+    n = 2048 if dev.type == "cuda" else 512
+    flops: dict[str, float] = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+        try:
+            size = n if name == "float32" or dev.type == "cuda" else n // 2  # slow on CPU
+            flops[name] = _time_matmul(dev, dtype, size, budget_s)
+        except (RuntimeError, TypeError) as e:
+            if name == "float32":
+                raise ProfileError(f"fp32 matmul failed on {device}: {e}") from e
+            logger.info("%s matmul unavailable on %s: %s", name, device, e)
+    _, total = free_memory(device)
+    return DeviceProfile(
+        device=device,
+        device_name=_device_name(dev),
+        flops=flops,
+        total_memory_bytes=total,
+        measured={k: True for k in flops},
+    )
+
+
+def _cache_path(device: str) -> Path:
+    root = Path(os.environ.get("FUSIONP2P_CACHE", Path.home() / ".cache" / "fusionp2p"))
+    key = f"{platform.node()}-{device.replace(':', '_')}-torch{torch.__version__}"
+    return root / f"profile-{key}.json"
+
+
+def profile_device(
+    device: str, *, flops_override: float | None = None, use_cache: bool = True
+) -> DeviceProfile:
+    """The profile of ``device``: cached if measured before, else measured and cached."""
+    if flops_override is not None:
+        _, total = free_memory(device)
+        return DeviceProfile(
+            device=device,
+            device_name=_device_name(torch.device(device)),
+            flops={"float32": flops_override},
+            total_memory_bytes=total,
+            measured={"float32": False},
+        )
+    path = _cache_path(device)
+    profile = None
+    if use_cache and path.exists():
+        try:
+            raw = json.loads(path.read_text())
+            if raw.pop("cache_version", None) == _CACHE_VERSION:
+                raw["executors"] = tuple(raw["executors"])
+                profile = DeviceProfile(**raw)
+                logger.info("device profile of %s from cache %s", device, path)
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            logger.info("ignoring unreadable profile cache %s: %s", path, e)
+    if profile is None:
+        logger.info("measuring %s (matmul FLOP/s per dtype)...", device)
+        profile = measure_device(device)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"cache_version": _CACHE_VERSION, **asdict(profile)}))
+        except OSError as e:
+            logger.info("cannot cache the device profile at %s: %s", path, e)
+    return profile
