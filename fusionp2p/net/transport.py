@@ -21,6 +21,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import raise_if_failed, read_pbmsg_safe, write_pbmsg
+from hivemind.proto import p2pd_pb2
 
 from fusionp2p.errors import PeerUnreachableError
 from fusionp2p.net.framing import FRAME_VERSION, HEADER, FrameKind, read_frame, write_frame
@@ -165,12 +167,33 @@ class P2PTransport(Transport):
 
     async def open(self, peer_id: str, protocol: str, *, timeout: float) -> FrameStream:
         try:
-            _, reader, writer = await asyncio.wait_for(
-                self._p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol), timeout
-            )
+            reader, writer = await asyncio.wait_for(self._stream_open(peer_id, protocol), timeout)
         except Exception as e:
             raise PeerUnreachableError(f"cannot open {protocol} to {peer_id[:12]}: {e!r}") from e
         return FrameStream(peer_id, reader, writer)
+
+    async def _stream_open(
+        self, peer_id: str, protocol: str
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        # hivemind's P2P.call_binary_stream_handler leaks its daemon connection when the
+        # remote refuses the protocol; this is the same request, closing it on failure.
+        client = self._p2p._client.control
+        reader, writer = await client.daemon_connector.open_connection()
+        try:
+            request = p2pd_pb2.Request(
+                type=p2pd_pb2.Request.STREAM_OPEN,
+                streamOpen=p2pd_pb2.StreamOpenRequest(
+                    peer=PeerID.from_base58(peer_id).to_bytes(), proto=[protocol]
+                ),
+            )
+            await write_pbmsg(writer, request)
+            response = p2pd_pb2.Response()
+            await read_pbmsg_safe(reader, response)
+            raise_if_failed(response)
+        except BaseException:
+            writer.close()
+            raise
+        return reader, writer
 
     async def serve(self, protocol: str, handler: StreamHandler) -> None:
         async def on_stream(info, reader, writer) -> None:

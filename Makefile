@@ -1,0 +1,29 @@
+# Two commands do all the set-up themselves on a fresh machine (Python 3.11, CPU only):
+#   make demo   a local swarm of peer processes forms, measures itself and prints its status
+#   make test   lint + the whole test suite
+# The venv is built on first use; constraints.txt keeps pip on the CPU build of torch.
+
+PYTHON ?= python3
+VENV ?= .venv
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/fusionp2p local --peers 3
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check fusionp2p kernels tests
+	$(VENV)/bin/ruff format --check fusionp2p kernels tests
+
+test: lint
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,45 @@
+"""Shared fixtures: a real multi-process swarm, and a guard that no child process outlives a test."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+
+import psutil
+import pytest
+
+
+def wait_until(
+    condition: Callable[[], object], timeout: float, interval: float = 0.5, message: str = "condition"
+) -> object:
+    """Polls ``condition`` until it returns something truthy; fails the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = condition()
+        if last:
+            return last
+        time.sleep(interval)
+    pytest.fail(f"{message} not reached within {timeout} s (last value: {last!r})")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leftover_children() -> Iterator[None]:
+    """Ends (and reports) any child process a test left running, e.g. an orphaned p2pd."""
+    yield
+    me = psutil.Process(os.getpid())
+    leftovers = []
+    for child in me.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if child.name() == "torch_shm_manager":  # torch's own helper; ends with this process
+                continue
+            leftovers.append(f"{child.pid} {child.name()}")
+            child.kill()
+    assert not leftovers, f"tests left processes behind: {leftovers}"
+
+
+@pytest.fixture(autouse=True)
+def _profile_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FUSIONP2P_CACHE", str(tmp_path_factory.getbasetemp() / "profile-cache"))

@@ -1,0 +1,97 @@
+import asyncio
+import random
+
+import pytest
+
+from fusionp2p.config import ProbeConfig
+from fusionp2p.errors import PeerUnreachableError, ProtocolError
+from fusionp2p.net.framing import FrameKind
+from fusionp2p.net.probe import PROBE_PROTOCOL, LinkEstimator, LinkSample, probe_link, serve_probe
+from fusionp2p.net.transport import MemoryTransport, RateLimitedTransport
+
+
+def _serve(transport: MemoryTransport, max_bytes: int, errors: list) -> None:
+    async def handler(stream) -> None:
+        try:
+            await serve_probe(stream, max_bytes=max_bytes, timeout=5)
+        except ProtocolError as e:
+            errors.append(e)
+            raise
+
+    return handler
+
+
+@pytest.mark.parametrize("rate", [2e6, 8e6])
+def test_probe_measures_a_rate_limited_link_within_20_percent(rate: float) -> None:
+    async def run() -> LinkSample:
+        hub: dict = {}
+        client, server = MemoryTransport("QmA", hub), MemoryTransport("QmB", hub)
+        await server.serve(PROBE_PROTOCOL, _serve(server, 16 << 20, []))
+        limited = RateLimitedTransport(client, rate)
+        return await probe_link(limited, "QmB", nbytes=int(rate * 0.5), ping_count=3, timeout=10)
+
+    sample = asyncio.run(run())
+    assert abs(sample.bandwidth_bps - rate) / rate < 0.2, sample
+    assert sample.rtt_s >= 0
+
+
+def test_probe_server_rejects_a_probe_over_its_byte_limit_and_keeps_serving() -> None:
+    async def run() -> list:
+        hub: dict = {}
+        client, server = MemoryTransport("QmA", hub), MemoryTransport("QmB", hub)
+        errors: list = []
+        await server.serve(PROBE_PROTOCOL, _serve(server, 1 << 20, errors))
+        with pytest.raises((PeerUnreachableError, ProtocolError)):
+            await probe_link(client, "QmB", nbytes=4 << 20, ping_count=1, timeout=5)
+        ok = await probe_link(client, "QmB", nbytes=512 << 10, ping_count=1, timeout=5)
+        assert ok.nbytes == 512 << 10
+        stream = await client.open("QmB", PROBE_PROTOCOL, timeout=5)
+        await stream.send(FrameKind.ACK, b"out of order")
+        with pytest.raises(PeerUnreachableError):
+            await stream.recv(max_payload=8, timeout=5)
+        await client.aclose()
+        await server.aclose()
+        return errors
+
+    errors = asyncio.run(run())
+    assert any("limit" in str(e) for e in errors)
+    assert any("unexpected ACK" in str(e) for e in errors)
+
+
+def _sample(bw: float, rtt: float = 0.01) -> LinkSample:
+    return LinkSample(bandwidth_bps=bw, rtt_s=rtt, nbytes=1, seconds=1.0)
+
+
+def test_estimator_smooths_and_sizes_probes() -> None:
+    config = ProbeConfig(
+        ewma_alpha=0.5, target_seconds=0.5, min_bytes=1000, initial_bytes=2000, max_bytes=10_000_000
+    )
+    est = LinkEstimator("QmA", config)
+    assert est.next_probe_bytes("QmB") == 2000
+    first = est.update("QmB", _sample(100e6, 0.02), now=10.0)
+    assert (first.bandwidth_bps, first.rtt_s, first.samples) == (100e6, 0.02, 1)
+    second = est.update("QmB", _sample(50e6, 0.04), now=20.0)
+    assert second.bandwidth_bps == pytest.approx(75e6)
+    assert second.rtt_s == pytest.approx(0.03)
+    assert second.samples == 2 and second.measured_at == 20.0
+    assert est.next_probe_bytes("QmB") == 10_000_000  # 75 MB/s * 0.5 s, capped
+    est.update("QmC", _sample(1000.0), now=20.0)
+    assert est.next_probe_bytes("QmC") == 1000  # floored
+    assert [r.dst for r in est.records(now=25.0, max_age=10.0)] == ["QmB", "QmC"]
+    assert est.records(now=100.0, max_age=10.0) == []
+    est.forget(["QmB"])
+    assert est.known_peers() == {"QmC"}
+
+
+def test_estimator_probes_a_bounded_sample_preferring_unmeasured_then_stalest() -> None:
+    config = ProbeConfig(fanout=2, period=10.0)
+    est = LinkEstimator("QmA", config, rng=random.Random(0))
+    peers = ["QmA", "QmB", "QmC", "QmD", "QmE"]
+    est.update("QmB", _sample(1e6), now=100.0)
+    est.update("QmC", _sample(1e6), now=50.0)
+    chosen = est.choose_targets(peers, now=101.0)
+    assert sorted(chosen) == ["QmD", "QmE"]  # never measured first, never self
+    est.update("QmD", _sample(1e6), now=101.0)
+    est.update("QmE", _sample(1e6), now=101.0)
+    assert est.choose_targets(peers, now=102.0) == ["QmC"]  # stalest; B, D, E too fresh
+    assert len(est.choose_targets([f"Qm{i}" for i in range(1000)], now=0.0)) == 2

@@ -1,0 +1,105 @@
+"""The DHT validators accept a peer's own signed records and reject forged, malformed and oversized ones."""
+
+import logging
+import os
+
+import msgpack
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.validation import CompositeValidator, DHTRecord
+from hivemind.utils import get_dht_time
+
+from fusionp2p.net.identity import ensure_identity, load_signing_key
+from fusionp2p.net.validation import make_validators
+from fusionp2p.records import LinkRecord, PeerRecord
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    base = tmp_path_factory.mktemp("keys")
+    out = []
+    for name in ("alice", "mallory"):
+        path = os.path.join(base, name)
+        peer_id = ensure_identity(path).to_base58()
+        out.append((peer_id, load_signing_key(path)))
+    return out
+
+
+def _peer_record(peer_id: str, **overrides) -> PeerRecord:
+    fields = dict(
+        peer_id=peer_id,
+        maddrs=(),
+        device="cpu",
+        device_name="x",
+        flops={"float32": 1e9},
+        memory_bytes=1,
+        total_memory_bytes=2,
+        state="idle",
+        started_at=0.0,
+        updated_at=1.0,
+    )
+    fields.update(overrides)
+    return PeerRecord(**fields)
+
+
+def _signed(signer, subkey_owner_marker: bytes, value: bytes, *, lifetime: float = 10.0) -> DHTRecord:
+    """A record as a DHT node would send it, signed by ``signer`` for the subkey's marker."""
+    signing = RSASignatureValidator(signer)
+    signing._local_public_key = subkey_owner_marker  # lets tests forge on purpose
+    record = DHTRecord(
+        key=b"key",
+        subkey=msgpack.packb(b"x" + subkey_owner_marker),
+        value=msgpack.packb(value),
+        expiration_time=get_dht_time() + lifetime,
+    )
+    return DHTRecord(record.key, record.subkey, signing.sign_value(record), record.expiration_time)
+
+
+def _validator() -> CompositeValidator:
+    return CompositeValidator(make_validators())
+
+
+def _marker(key) -> bytes:
+    return RSASignatureValidator(key).local_public_key
+
+
+def test_accepts_a_peers_own_records(keys) -> None:
+    (alice, alice_key), (mallory, _) = keys
+    peer = _signed(alice_key, _marker(alice_key), _peer_record(alice).to_wire())
+    link = LinkRecord(src=alice, dst=mallory, bandwidth_bps=1e6, rtt_s=0.1, measured_at=1.0)
+    assert _validator().validate(peer)
+    assert _validator().validate(_signed(alice_key, _marker(alice_key), link.to_wire()))
+
+
+@pytest.mark.parametrize(
+    "case", ["forged_claim", "wrong_signature", "unsigned", "malformed", "oversized", "far_expiration"]
+)
+def test_rejects_bad_records_and_logs_a_protocol_error(keys, case, caplog) -> None:
+    (alice, alice_key), (_mallory, mallory_key) = keys
+    if case == "forged_claim":  # mallory signs a record that claims to be alice
+        record = _signed(mallory_key, _marker(mallory_key), _peer_record(alice).to_wire())
+    elif case == "wrong_signature":  # alice's marker, mallory's signature
+        record = _signed(mallory_key, _marker(alice_key), _peer_record(alice).to_wire())
+    elif case == "unsigned":
+        record = DHTRecord(
+            b"key", msgpack.packb(b"alice"), msgpack.packb(_peer_record(alice).to_wire()), get_dht_time() + 10
+        )
+    elif case == "malformed":
+        record = _signed(alice_key, _marker(alice_key), b"\x92\x01\x02")
+    elif case == "oversized":
+        body = msgpack.unpackb(_peer_record(alice).to_wire())
+        body["padding"] = "x" * 20_000
+        record = _signed(alice_key, _marker(alice_key), msgpack.packb(body))
+    else:
+        record = _signed(alice_key, _marker(alice_key), _peer_record(alice).to_wire(), lifetime=1e7)
+    with caplog.at_level(logging.WARNING, logger="fusionp2p"):
+        assert not _validator().validate(record)
+    reason = {
+        "forged_claim": "forged",
+        "wrong_signature": "bad signature",
+        "unsigned": "unsigned",
+        "malformed": "malformed",
+        "oversized": "oversized",
+        "far_expiration": "expiration too far",
+    }
+    assert f"protocol error: rejected DHT record: {reason[case]}" in caplog.text
