@@ -21,6 +21,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check fusionp2p kernels tests
 	$(VENV)/bin/ruff format --check fusionp2p kernels tests
+	$(VENV)/bin/mypy fusionp2p
 
 test: lint
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider

@@ -40,7 +40,7 @@ class PeerProcess:
     ready_path: Path
     peer_id: str = ""
     multiaddrs: list[str] = field(default_factory=list)
-    descendants: set[int] = field(default_factory=set)
+    descendants: dict[int, psutil.Process] = field(default_factory=dict)
 
     def log(self) -> str:
         """Everything the peer wrote to stdout/stderr so far."""
@@ -48,7 +48,8 @@ class PeerProcess:
 
     def remember_descendants(self) -> None:
         with contextlib.suppress(psutil.Error):
-            self.descendants |= {c.pid for c in psutil.Process(self.popen.pid).children(recursive=True)}
+            for child in psutil.Process(self.popen.pid).children(recursive=True):
+                self.descendants.setdefault(child.pid, child)
 
 
 class LocalSwarm:
@@ -168,10 +169,10 @@ class LocalSwarm:
                 logger.warning("peer %d ignored SIGTERM; killing it", peer.index)
                 peer.popen.kill()
                 peer.popen.wait(5)
-        leftovers = _alive({pid for peer in self.peers for pid in peer.descendants})
-        if leftovers:
+        descendants = [proc for peer in self.peers for proc in peer.descendants.values()]
+        if _alive(descendants):
             time.sleep(2.0)  # the DHT watchdog usually ends them itself
-            for proc in _alive({p.pid for p in leftovers}):
+            for proc in _alive(descendants):
                 logger.warning("ending leftover process %d (%s)", proc.pid, proc.name())
                 with contextlib.suppress(psutil.Error):
                     proc.kill()
@@ -183,11 +184,11 @@ class LocalSwarm:
         self.stop()
 
 
-def _alive(pids: set[int]) -> list[psutil.Process]:
+def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    # is_running() also checks the creation time, so a reused PID is never mistaken for ours
     alive = []
-    for pid in pids:
+    for proc in procs:
         with contextlib.suppress(psutil.Error):
-            proc = psutil.Process(pid)
             if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
                 alive.append(proc)
     return alive

@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
+from functools import partial
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
@@ -61,6 +62,7 @@ class Peer:
         self._expiration = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._maddrs: list[str] = []
 
     @classmethod
     async def create(cls, config: PeerConfig) -> Peer:
@@ -93,6 +95,10 @@ class Peer:
             marker = RSASignatureValidator(signing_key).local_public_key
             directory = SwarmDirectory(dht, config.swarm, owner_marker=marker, timeout=config.timeouts.dht)
             peer = cls(config, dht, transport, profile, directory, tmpdir)
+            maddrs = await dht.run_coroutine(
+                partial(hivemind.DHT._get_visible_maddrs, latest=True), return_future=True
+            )
+            peer._maddrs = [str(m) for m in maddrs]
             await transport.serve(PROBE_PROTOCOL, peer._serve_probe)
             await peer._publish_self()
             peer.state = "idle"
@@ -116,7 +122,7 @@ class Peer:
     @property
     def multiaddrs(self) -> list[str]:
         """Addresses another machine passes as ``--initial-peers`` to join through this peer."""
-        return [str(m) for m in self.dht.get_visible_maddrs()]
+        return list(self._maddrs)
 
     def set_busy(self, busy: bool) -> None:
         """Marks the peer as training: it probes ``busy_slowdown`` times less often."""
@@ -178,14 +184,13 @@ class Peer:
                 logger.warning("heartbeat failed, will retry: %s", e)
 
     async def _probe_loop(self) -> None:
-        cfg = self.config.probe
-        await asyncio.sleep(min(1.0, cfg.period))
+        await asyncio.sleep(min(1.0, self.config.probe.period))
         while True:
             try:
                 await self._probe_round()
             except (FusionP2PError, asyncio.TimeoutError, OSError) as e:
                 logger.warning("probe round failed, will retry: %s", e)
-            await asyncio.sleep(cfg.period * (cfg.busy_slowdown if self._busy else 1.0))
+            await asyncio.sleep(self.estimator.probe_interval(busy=self._busy))
 
     async def _probe_round(self) -> None:
         peers = await self.directory.fetch_peers()

@@ -95,3 +95,9 @@ def test_estimator_probes_a_bounded_sample_preferring_unmeasured_then_stalest() 
     est.update("QmE", _sample(1e6), now=101.0)
     assert est.choose_targets(peers, now=102.0) == ["QmC"]  # stalest; B, D, E too fresh
     assert len(est.choose_targets([f"Qm{i}" for i in range(1000)], now=0.0)) == 2
+
+
+def test_a_busy_peer_probes_less_often() -> None:
+    est = LinkEstimator("QmA", ProbeConfig(period=10.0, busy_slowdown=4.0))
+    assert est.probe_interval(busy=False) == 10.0
+    assert est.probe_interval(busy=True) == 40.0

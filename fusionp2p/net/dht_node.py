@@ -49,7 +49,7 @@ def start_dht(
     Raises:
         SwarmError: p2pd could not start or no initial peer answered.
     """
-    kwargs = {}
+    kwargs: dict[str, object] = {}
     if announce_maddrs:
         kwargs["announce_maddrs"] = list(announce_maddrs)
     if identity_path is not None:

@@ -177,6 +177,10 @@ class LinkEstimator:
         wanted = int(state.bandwidth_bps * self.config.target_seconds)
         return max(self.config.min_bytes, min(self.config.max_bytes, wanted))
 
+    def probe_interval(self, *, busy: bool) -> float:
+        """Seconds until the next probe round: longer while the peer is busy training."""
+        return self.config.period * (self.config.busy_slowdown if busy else 1.0)
+
     def choose_targets(self, candidates: Iterable[str], now: float) -> list[str]:
         """Up to ``fanout`` peers to probe: never-measured first, then the stalest."""
         pool = [c for c in candidates if c != self.src]
