@@ -76,6 +76,11 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument("--probe-period", type=float, default=10.0, help="seconds between link probe rounds")
     peer.add_argument("--probe-fanout", type=int, default=3, help="peers probed per round")
     peer.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="leave the swarm when the process that started this peer dies",
+    )
+    peer.add_argument(
         "--ready-file", metavar="PATH", help="write {peer_id, multiaddrs} as JSON here once joined"
     )
 
@@ -103,13 +108,22 @@ def _parser() -> argparse.ArgumentParser:
 # -- peer ---------------------------------------------------------------------------------
 
 
-async def _run_peer(config: PeerConfig, ready_file: str | None) -> None:
+async def _watch_parent(stop: asyncio.Event) -> None:
+    parent = os.getppid()
+    while os.getppid() == parent:
+        await asyncio.sleep(0.5)
+    logger.warning("the process that started this peer is gone; leaving")
+    stop.set()
+
+
+async def _run_peer(config: PeerConfig, ready_file: str | None, exit_with_parent: bool) -> None:
     from fusionp2p.peer import Peer
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    watcher = asyncio.create_task(_watch_parent(stop)) if exit_with_parent else None
     peer = await Peer.create(config)
     try:
         maddrs = peer.multiaddrs
@@ -128,6 +142,8 @@ async def _run_peer(config: PeerConfig, ready_file: str | None) -> None:
         await stop.wait()
         logger.info("leaving swarm %r", config.swarm)
     finally:
+        if watcher is not None:
+            watcher.cancel()
         await peer.aclose()
 
 
@@ -147,7 +163,7 @@ def _cmd_peer(args: argparse.Namespace) -> int:
     )
     import uvloop
 
-    uvloop.run(_run_peer(config, args.ready_file))
+    uvloop.run(_run_peer(config, args.ready_file, args.exit_with_parent))
     return 0
 
 

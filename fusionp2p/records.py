@@ -4,7 +4,9 @@ Each record is a frozen dataclass with ``to_wire() -> bytes`` and ``from_wire(by
 The wire form is a msgpack map with string keys (never pickle). ``from_wire`` checks
 size, types and ranges, ignores unknown fields (so newer peers can add some) and
 rejects a newer *major* schema version. Every record stays far below hivemind's
-~32 KiB DHT value limit: ``MAX_RECORD_BYTES`` is enforced on both ends.
+~32 KiB DHT value limit: ``MAX_RECORD_BYTES`` is enforced on both ends, and it keeps a
+whole store request (record + signed subkey + framing) under the 4 KiB that hivemind's
+DHT process can read from its pipe in one piece (larger requests can be torn and hang).
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ __all__ = [
     "PEER_STATES",
     "LinkRecord",
     "PeerRecord",
+    "PlanStageRecord",
     "decode_record",
 ]
 
-MAX_RECORD_BYTES = 4096
+MAX_RECORD_BYTES = 2048
 PEER_STATES = ("joining", "idle", "training", "leaving")
 _MAX_LIST = 16
+_MAX_INTS = 128
 _MAX_STR = 256
 
 R = TypeVar("R", bound="_WireRecord")
@@ -49,9 +53,11 @@ def _check_field(name: str, value: Any, annotation: Any) -> Any:
             raise RecordError(f"field {name!r} must be a finite number, got {value!r:.80}")
         return float(value)
     if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) > _MAX_LIST:
-            raise RecordError(f"field {name!r} must be a list of <= {_MAX_LIST} items, got {value!r:.80}")
-        return tuple(_check_field(f"{name}[]", item, str) for item in value)
+        item_type = annotation.__args__[0]
+        limit = _MAX_LIST if item_type is str else _MAX_INTS
+        if not isinstance(value, (list, tuple)) or len(value) > limit:
+            raise RecordError(f"field {name!r} must be a list of <= {limit} items, got {value!r:.80}")
+        return tuple(_check_field(f"{name}[]", item, item_type) for item in value)
     if origin is dict:
         if not isinstance(value, dict) or len(value) > _MAX_LIST:
             raise RecordError(f"field {name!r} must be a map of <= {_MAX_LIST} items, got {value!r:.80}")
@@ -188,10 +194,38 @@ class LinkRecord(_WireRecord):
             raise RecordError(f"LinkRecord.samples must be >= 1, got {self.samples}")
 
 
-_KINDS: dict[str, type[_WireRecord]] = {cls.KIND: cls for cls in (PeerRecord, LinkRecord)}
+@dataclass(frozen=True)
+class PlanStageRecord(_WireRecord):
+    """One stage of a Plan: who runs which OP-DAG nodes, and the ratio of each outgoing link."""
+
+    KIND: ClassVar[str] = "plan_stage"
+
+    plan_id: str  # the coordinator's id for this plan
+    epoch: int  # increases with every re-plan; peers follow the highest
+    stage: int  # 0..n_stages-1, in topological order
+    n_stages: int
+    peer_id: str  # owner of the stage
+    dag: str  # fingerprint of the OP-DAG being split
+    node_ranges: tuple[int, ...]  # flat [start, end) pairs over the OP-DAG's topological order
+    links_to: dict[str, float]  # destination stage (as text) -> Top-K ratio
+    n_micro_batches: int
+    est_iteration_s: float  # the estimate the plan was chosen for
+    made_by: str  # PeerID of the coordinator
+    made_at: float  # DHT time
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.stage < self.n_stages:
+            raise RecordError(f"PlanStageRecord.stage {self.stage} not in [0, {self.n_stages})")
+        if len(self.node_ranges) % 2 or any(b <= a for a, b in zip(self.node_ranges[::2], self.node_ranges[1::2])):
+            raise RecordError(f"PlanStageRecord.node_ranges must be [start, end) pairs, got {self.node_ranges}")
+        if any(r < 1 for r in self.links_to.values()) or self.n_micro_batches < 1:
+            raise RecordError("PlanStageRecord ratios and n_micro_batches must be >= 1")
 
 
-def decode_record(data: bytes) -> PeerRecord | LinkRecord:
+_KINDS: dict[str, type[_WireRecord]] = {cls.KIND: cls for cls in (PeerRecord, LinkRecord, PlanStageRecord)}
+
+
+def decode_record(data: bytes) -> PeerRecord | LinkRecord | PlanStageRecord:
     """Decodes any known record by its ``kind`` field.
 
     Raises:

@@ -136,7 +136,8 @@ def test_forged_malformed_and_oversized_records_are_rejected(local, client, tmp_
             ),
         }
         for key, subkey, value in attempts.values():
-            assert attacker.store(key, value, expiration, subkey=subkey) is False
+            future = attacker.store(key, value, expiration, subkey=subkey, return_future=True)
+            assert future.result(timeout=60) is False
     finally:
         attacker.shutdown()
 

@@ -23,11 +23,12 @@ from hivemind.utils import get_dht_time
 from fusionp2p.errors import RecordError, SwarmError
 from fusionp2p.records import LinkRecord, PeerRecord
 
-__all__ = ["PEER_SHARDS", "SwarmDirectory"]
+__all__ = ["MAX_STORE_BYTES", "PEER_SHARDS", "SwarmDirectory"]
 
 logger = logging.getLogger(__name__)
 
 PEER_SHARDS = 16
+MAX_STORE_BYTES = 3072  # key + subkey + value of one store request
 
 
 def _shard(peer_id: str) -> int:
@@ -56,6 +57,11 @@ class SwarmDirectory:
         return f"{self.swarm}.links.{src}"
 
     async def _store(self, key: str, subkey: bytes, value: bytes, expiration: float) -> bool:
+        if len(key) + len(subkey) + len(value) > MAX_STORE_BYTES:
+            raise RecordError(
+                f"a DHT store of {len(key) + len(subkey) + len(value)} bytes exceeds "
+                f"{MAX_STORE_BYTES}; hivemind's DHT pipe could tear it"
+            )
         future = self.dht.store(key, value, expiration, subkey=subkey, return_future=True)
         return bool(await asyncio.wait_for(future, self.timeout))
 

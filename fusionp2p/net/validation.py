@@ -24,7 +24,7 @@ from hivemind.utils import get_dht_time
 
 from fusionp2p.errors import RecordError
 from fusionp2p.net.identity import peer_id_from_public_key
-from fusionp2p.records import MAX_RECORD_BYTES, PeerRecord, decode_record
+from fusionp2p.records import MAX_RECORD_BYTES, LinkRecord, PeerRecord, PlanStageRecord, decode_record
 
 __all__ = ["MAX_RECORD_LIFETIME", "LoggingSignatureValidator", "SwarmRecordValidator", "make_validators"]
 
@@ -66,6 +66,15 @@ class LoggingSignatureValidator(RSASignatureValidator):
         return self._log.reject("bad signature", "the value is not signed by the key in its subkey")
 
 
+def _speaker(record: PeerRecord | LinkRecord | PlanStageRecord) -> str:
+    """The peer a record speaks for, who alone may sign it."""
+    if isinstance(record, PeerRecord):
+        return record.peer_id
+    if isinstance(record, LinkRecord):
+        return record.src
+    return record.made_by
+
+
 class SwarmRecordValidator(RecordValidatorBase):
     """Accepts only signed, well-formed, small fusionp2p records whose signer is their peer."""
 
@@ -89,7 +98,7 @@ class SwarmRecordValidator(RecordValidatorBase):
             parsed = decode_record(data)
         except (RecordError, ValueError, TypeError, msgpack.UnpackException) as e:
             return self._log.reject("malformed", str(e)[:200])
-        claimed = parsed.peer_id if isinstance(parsed, PeerRecord) else parsed.src
+        claimed = _speaker(parsed)
         try:
             signer = peer_id_from_public_key(owners[0])
         except (ValueError, TypeError) as e:
