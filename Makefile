@@ -19,8 +19,8 @@ demo: $(STAMP)
 	$(VENV)/bin/fusionp2p local --peers 3
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check fusionp2p kernels tests
-	$(VENV)/bin/ruff format --check fusionp2p kernels tests
+	$(VENV)/bin/ruff check fusionp2p kernels tests benchmarks
+	$(VENV)/bin/ruff format --check fusionp2p kernels tests benchmarks
 	$(VENV)/bin/mypy fusionp2p
 
 test: lint

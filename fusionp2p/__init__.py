@@ -5,10 +5,13 @@
 - ``records.py``: PeerRecord, LinkRecord: versioned wire records for the DHT.
 - ``net/``: identity, DHT directory and validators, frame streams, transports, probes.
 - ``runtime/``: device profiling.
+- ``opdag/``: the OP-DAG IR and analytic transformer OP-DAGs.
+- ``planning/``: cost model, estimators, clustering, OP-Fence, baselines, exact solver, Plan.
 - ``peer.py``: the long-running Peer.
 - ``swarm.py``: the public Swarm facade.
 - ``launch.py``: LocalSwarm, several peer processes on this machine.
-- ``cli.py``: ``fusionp2p peer | status | local``.
+- ``viz.py``: a picture of a plan on the clustered bandwidth graph.
+- ``cli.py``: ``fusionp2p peer | status | plan | local``.
 """
 
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -87,6 +88,21 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="print a swarm's live peers and measured links")
     _add_swarm_args(status)
     status.add_argument("--json", action="store_true", help="machine-readable output")
+
+    plan = sub.add_parser("plan", help="plan a model on a swarm file and compare with the baselines")
+    plan.add_argument("--swarm-file", required=True, help="`fusionp2p status --json` output (or same shape)")
+    plan.add_argument("--model", default="gpt2", help="model family: gpt2 or llama (default: %(default)s)")
+    plan.add_argument(
+        "--model-config", default="{}", help="JSON overrides of the model config, e.g. '{\"n_layer\": 24}'"
+    )
+    plan.add_argument("--seq-len", type=int, default=1024)
+    plan.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
+    plan.add_argument("--n-micro-batches", type=int, default=8, help="micro-batches per iteration (n_b)")
+    plan.add_argument("--ratio", type=float, default=100.0, help="user Top-K ratio (adaptive per link)")
+    plan.add_argument("--granularity", choices=["block", "sublayer"], default="block")
+    plan.add_argument("--clustering", choices=["leiden", "louvain"], default="leiden")
+    plan.add_argument("--png", help="draw the clustered bandwidth graph with each peer's stage here")
+    plan.add_argument("--json", action="store_true", help="print the plan's stage records as JSON")
 
     local = sub.add_parser("local", help="run a local swarm of peer processes and show it")
     local.add_argument("--peers", type=int, default=3, help="number of peers (default: 3)")
@@ -231,6 +247,81 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- plan ---------------------------------------------------------------------------------
+
+
+def load_swarm_file(path: str) -> tuple[list[PeerRecord], list[LinkRecord]]:
+    """Peers and links from a ``status --json`` document.
+
+    Raises:
+        FusionP2PError: unreadable file or invalid records (the message names which).
+    """
+    try:
+        doc = json.loads(Path(path).read_text())
+        peers = [PeerRecord.from_dict(p) for p in doc["peers"]]
+        links = [LinkRecord.from_dict(lk) for lk in doc.get("links", [])]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise FusionP2PError(f"cannot read swarm file {path}: {e}") from e
+    return peers, links
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from fusionp2p.opdag import TransformerShape, transformer_dag
+    from fusionp2p.planning import (
+        BASELINES,
+        CompressionPolicy,
+        CostConfig,
+        Topology,
+        baseline_plan,
+        op_fence,
+    )
+
+    peers, links = load_swarm_file(args.swarm_file)
+    try:
+        overrides = json.loads(args.model_config)
+    except ValueError as e:
+        raise FusionP2PError(f"--model-config is not JSON: {e}") from e
+    import transformers
+
+    try:
+        hf_config = transformers.AutoConfig.for_model(args.model, **overrides)
+    except (ValueError, TypeError) as e:
+        raise FusionP2PError(f"unknown model {args.model!r} or bad config: {e}") from e
+    shape = TransformerShape.from_hf_config(hf_config)
+    dag = transformer_dag(
+        shape, seq_len=args.seq_len, micro_batch=args.micro_batch, granularity=args.granularity
+    )
+    cost = CostConfig(n_micro_batches=args.n_micro_batches, compression=CompressionPolicy(ratio=args.ratio))
+    topo = Topology.from_records(peers, links)
+    start = time.perf_counter()
+    plan = op_fence(dag, topo, cost, clustering=args.clustering)
+    took = time.perf_counter() - start
+    if args.json:
+        records = plan.to_records(plan_id="offline", epoch=0, made_by="offline", made_at=0.0)
+        print(json.dumps([asdict(r) for r in records], indent=2))
+    else:
+        print(
+            f"{dag.name}: {len(dag)} nodes, {dag.total_param_bytes / 4 / 1e6:.0f}M parameters (tied counted "
+            f"per user), {dag.total_fwd_flops / 1e12:.2f} TFLOP forward per micro-batch"
+        )
+        print(f"{len(topo)} peers in {len(plan.clusters)} bandwidth cluster(s); planned in {took:.2f} s\n")
+        print(plan.describe(dag))
+        print(f"\n{'PLAN':<28} {'ITERATION s':>12} {'vs OP-Fence':>12}")
+        print(f"{'op-fence':<28} {plan.iteration_s:>12.3f} {'1.00x':>12}")
+        for name in BASELINES:
+            for kind in ("none", "uniform", "adaptive"):
+                other = baseline_plan(name, dag, topo, cost, kind)
+                t = other.iteration_s
+                rel = f"{t / plan.iteration_s:.2f}x" if math.isfinite(t) else "no fit"
+                print(f"{other.method:<28} {t:>12.3f} {rel:>12}")
+    if args.png:
+        from fusionp2p.viz import draw_plan
+
+        draw_plan(plan, topo, args.png)
+        print(f"\nwrote {args.png}", file=sys.stderr)
+    return 0
+
+
 # -- local --------------------------------------------------------------------------------
 
 
@@ -281,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    handlers = {"peer": _cmd_peer, "status": _cmd_status, "local": _cmd_local}
+    handlers = {"peer": _cmd_peer, "status": _cmd_status, "plan": _cmd_plan, "local": _cmd_local}
     try:
         return handlers[args.command](args)
     except FusionP2PError as e:

@@ -97,6 +97,11 @@ class _WireRecord:
         return cls._from_body(body)
 
     @classmethod
+    def from_dict(cls: type[R], fields_: dict[str, Any]) -> R:
+        """Validates a plain dict of fields (e.g. from ``fusionp2p status --json``)."""
+        return cls._from_body({"v": cls.VERSION, **fields_})
+
+    @classmethod
     def _from_body(cls: type[R], body: dict[str, Any]) -> R:
         version = body.get("v")
         if not isinstance(version, int) or version < 1:
@@ -216,8 +221,12 @@ class PlanStageRecord(_WireRecord):
     def __post_init__(self) -> None:
         if not 0 <= self.stage < self.n_stages:
             raise RecordError(f"PlanStageRecord.stage {self.stage} not in [0, {self.n_stages})")
-        if len(self.node_ranges) % 2 or any(b <= a for a, b in zip(self.node_ranges[::2], self.node_ranges[1::2])):
-            raise RecordError(f"PlanStageRecord.node_ranges must be [start, end) pairs, got {self.node_ranges}")
+        if len(self.node_ranges) % 2 or any(
+            b <= a for a, b in zip(self.node_ranges[::2], self.node_ranges[1::2], strict=True)
+        ):
+            raise RecordError(
+                f"PlanStageRecord.node_ranges must be [start, end) pairs, got {self.node_ranges}"
+            )
         if any(r < 1 for r in self.links_to.values()) or self.n_micro_batches < 1:
             raise RecordError("PlanStageRecord ratios and n_micro_batches must be >= 1")
 

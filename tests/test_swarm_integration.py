@@ -158,7 +158,7 @@ def test_forged_malformed_and_oversized_records_are_rejected(local, client, tmp_
     assert after[victim.peer_id].device_name != "FORGED"
 
 
-def test_status_json_lists_the_swarms_peers_and_links(local: LocalSwarm) -> None:
+def test_status_json_lists_the_swarms_peers_and_links_and_plans_offline(local: LocalSwarm, tmp_path) -> None:
     out = subprocess.run(
         [
             sys.executable,

@@ -4,6 +4,7 @@ Layout (every value is one small signed record; DESIGN.md explains why values st
 
     {swarm}.peers.{shard}   subkey  b"{peer_id}" + owner marker  ->  PeerRecord
     {swarm}.links.{src}     subkey  b"{dst}" + owner marker      ->  LinkRecord (src -> dst)
+    {swarm}.plan            subkey  b"{epoch}.{stage}" + marker  ->  PlanStageRecord (by the coordinator)
 
 Peers are spread over ``PEER_SHARDS`` keys so no single DHT value grows with the swarm;
 each link subkey expires on its own. A record only counts while it is unexpired, so a
@@ -21,7 +22,7 @@ import hivemind
 from hivemind.utils import get_dht_time
 
 from fusionp2p.errors import RecordError, SwarmError
-from fusionp2p.records import LinkRecord, PeerRecord
+from fusionp2p.records import LinkRecord, PeerRecord, PlanStageRecord
 
 __all__ = ["MAX_STORE_BYTES", "PEER_SHARDS", "SwarmDirectory"]
 
@@ -134,3 +135,33 @@ class SwarmDirectory:
                 if record.src == src:
                     links.append(record)
         return links
+
+    async def publish_plan(self, records: Sequence[PlanStageRecord], expiration: float) -> int:
+        """Stores a plan, one record per stage; returns how many stages were accepted."""
+        if not self.owner_marker:
+            raise SwarmError("this directory has no signing key; it can only read")
+        key = f"{self.swarm}.plan"
+        results = await asyncio.gather(
+            *(
+                self._store(key, f"{r.epoch}.{r.stage}".encode() + self.owner_marker, r.to_wire(), expiration)
+                for r in records
+            ),
+            return_exceptions=True,
+        )
+        return sum(1 for ok in results if ok is True)
+
+    async def fetch_plan(self) -> list[PlanStageRecord]:
+        """The stage records of the newest complete plan (highest epoch), or [] if none."""
+        plans: dict[tuple[int, str], dict[int, PlanStageRecord]] = {}
+        for data in (await self._get_dict(f"{self.swarm}.plan")).values():
+            try:
+                record = PlanStageRecord.from_wire(data)
+            except RecordError as e:
+                logger.warning("protocol error: skipped a malformed plan record: %s", e)
+                continue
+            plans.setdefault((record.epoch, record.plan_id), {})[record.stage] = record
+        complete = [(k, v) for k, v in plans.items() if len(v) == next(iter(v.values())).n_stages]
+        if not complete:
+            return []
+        _, stages = max(complete, key=lambda kv: kv[0])
+        return [stages[i] for i in sorted(stages)]

@@ -1,0 +1,11 @@
+"""OP-DAG: the model as an operator graph, independent of the framework that runs it.
+
+- ``ir.py``: OpNode and OpDag (pure data: FLOPs, bytes, edges, topological order, cuts).
+- ``analytic.py``: the OP-DAG of a transformer family (GPT-2, Llama) computed from its
+  config, at block or sub-layer granularity; what the planner uses until tracing lands.
+"""
+
+from fusionp2p.opdag.analytic import TransformerShape, transformer_dag
+from fusionp2p.opdag.ir import OpDag, OpNode
+
+__all__ = ["OpDag", "OpNode", "TransformerShape", "transformer_dag"]

@@ -1,0 +1,138 @@
+"""The OP-DAG intermediate representation: nodes with costs, edges by name, a topological order.
+
+Pure data (no torch): the planner reads FLOPs and bytes from here, and any tracer or
+analytic model description can produce it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from fusionp2p.errors import FusionP2PError
+
+__all__ = ["OpDag", "OpDagError", "OpNode"]
+
+
+class OpDagError(FusionP2PError, ValueError):
+    """An OP-DAG is malformed: a cycle, a missing input, a duplicate id, a negative cost."""
+
+
+@dataclass(frozen=True)
+class OpNode:
+    """One operator (or a coarse group of operators) of the model."""
+
+    id: str
+    kind: str  # "embedding", "transformer_block", "attention", "mlp", "lm_head", an aten op...
+    inputs: tuple[str, ...] = ()  # ids of the nodes whose outputs this node consumes
+    fwd_flops: float = 0.0  # forward FLOPs per micro-batch
+    bwd_flops: float = 0.0  # backward FLOPs per micro-batch
+    param_bytes: int = 0  # bytes of parameters this node owns (tied ones counted at each user)
+    output_bytes: int = 0  # bytes of this node's output per micro-batch (what a cut carries)
+    saved_bytes: int = 0  # bytes kept from forward for backward, per micro-batch
+    module_path: str = ""  # e.g. "transformer.h.3.attn"
+    output_shapes: tuple[tuple[int, ...], ...] = ()
+    output_dtypes: tuple[str, ...] = ()
+    tied: tuple[str, ...] = ()  # names of parameters shared with other nodes
+
+    def __post_init__(self) -> None:
+        for name in ("fwd_flops", "bwd_flops", "param_bytes", "output_bytes", "saved_bytes"):
+            value = getattr(self, name)
+            if not value >= 0:  # also catches NaN
+                raise OpDagError(f"node {self.id!r}: {name} must be >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class OpDag:
+    """Nodes in a topological order (checked): every input precedes its consumer."""
+
+    nodes: tuple[OpNode, ...]
+    name: str = ""
+    meta: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for node in self.nodes:
+            if node.id in seen:
+                raise OpDagError(f"duplicate node id {node.id!r}")
+            for src in node.inputs:
+                if src not in seen:
+                    raise OpDagError(
+                        f"node {node.id!r} consumes {src!r}, which is not an earlier node "
+                        "(missing, or the order is not topological / has a cycle)"
+                    )
+            seen.add(node.id)
+        if not self.nodes:
+            raise OpDagError("an OP-DAG needs at least one node")
+
+    @classmethod
+    def from_unordered(cls, nodes: Iterable[OpNode], name: str = "") -> OpDag:
+        """Orders ``nodes`` topologically (stable) or raises OpDagError on a cycle."""
+        pending = {n.id: n for n in nodes}
+        order: list[OpNode] = []
+        done: set[str] = set()
+        while pending:
+            ready = [n for n in pending.values() if all(i in done for i in n.inputs)]
+            if not ready:
+                missing = {
+                    i for n in pending.values() for i in n.inputs if i not in done and i not in pending
+                }
+                what = f"missing inputs {sorted(missing)}" if missing else f"a cycle among {sorted(pending)}"
+                raise OpDagError(f"cannot order the OP-DAG: {what}")
+            for n in ready:
+                order.append(n)
+                done.add(n.id)
+                del pending[n.id]
+        return cls(tuple(order), name=name)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    @cached_property
+    def index(self) -> dict[str, int]:
+        """Position of each node id in the topological order."""
+        return {n.id: i for i, n in enumerate(self.nodes)}
+
+    @cached_property
+    def consumers(self) -> dict[str, tuple[str, ...]]:
+        out: dict[str, list[str]] = {n.id: [] for n in self.nodes}
+        for n in self.nodes:
+            for src in n.inputs:
+                out[src].append(n.id)
+        return {k: tuple(v) for k, v in out.items()}
+
+    def cut_bytes(self) -> list[int]:
+        """``cut[p]``: bytes crossing the cut before position ``p`` (0..len), each tensor once.
+
+        A tensor produced before ``p`` and consumed at or after ``p`` crosses it: residual
+        and skip connections are counted where they cross.
+        """
+        cut = [0] * (len(self.nodes) + 1)
+        for i, node in enumerate(self.nodes):
+            users = [self.index[c] for c in self.consumers[node.id]]
+            if users:
+                last = max(users)
+                for p in range(i + 1, last + 1):
+                    cut[p] += node.output_bytes
+        return cut
+
+    def traffic(self, owner: Sequence[int]) -> dict[tuple[int, int], int]:
+        """Bytes per micro-batch from stage a to stage b, given each node's stage ``owner[i]``.
+
+        A tensor is sent once to each other stage that consumes it.
+        """
+        out: dict[tuple[int, int], int] = {}
+        for i, node in enumerate(self.nodes):
+            dst_stages = {owner[self.index[c]] for c in self.consumers[node.id]} - {owner[i]}
+            for b in dst_stages:
+                out[owner[i], b] = out.get((owner[i], b), 0) + node.output_bytes
+        return out
+
+    @property
+    def total_fwd_flops(self) -> float:
+        return sum(n.fwd_flops for n in self.nodes)
+
+    @property
+    def total_param_bytes(self) -> int:
+        return sum(n.param_bytes for n in self.nodes)

@@ -1,0 +1,100 @@
+"""The cost model: compute time, link time after compression, memory (FusionLLM §3.5, §5).
+
+- compute time of a node on a peer = FLOPs / the peer's measured FLOP/s;
+- link time = alpha + wire bytes / bandwidth (alpha = one-way latency; links may be asymmetric);
+- wire bytes of a Top-K message at ratio r = numel / r * (value bytes + index bytes) + header,
+  or the dense bytes where compression would not pay;
+- memory of a stage = parameters * (1 + grads + optimizer states) + saved activations of
+  every micro-batch in flight (1F1B: stage k of S holds min(n_b, S - k)).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from fusionp2p.errors import ConfigError
+
+__all__ = ["PAPER_WIRE", "WIRE", "CompressionPolicy", "CostConfig", "WireFormat", "adaptive_ratios"]
+
+_HEADER_BYTES = 32
+
+
+@dataclass(frozen=True, kw_only=True)
+class WireFormat:
+    """Bytes per kept entry of a Top-K message."""
+
+    value_bytes: int = 4  # fp32 values (2 for fp16/bf16)
+    index_bytes: int = 4  # int32 indices
+    dense_value_bytes: int = 4  # bytes per element of the uncompressed tensor
+
+    def wire_bytes(self, dense_bytes: float | np.ndarray, ratio: float | np.ndarray) -> np.ndarray:
+        """Bytes on the wire for ``dense_bytes`` of tensor at Top-K ratio ``ratio``."""
+        dense = np.asarray(dense_bytes, dtype=float)
+        r = np.maximum(np.asarray(ratio, dtype=float), 1.0)
+        numel = dense / self.dense_value_bytes
+        sparse = np.ceil(numel / r) * (self.value_bytes + self.index_bytes) + _HEADER_BYTES
+        return np.where(r > 1.0, np.minimum(dense, sparse), dense)
+
+
+WIRE = WireFormat()  # fusionp2p's format: fp32 values, int32 indices
+PAPER_WIRE = WireFormat(index_bytes=8)  # FusionLLM's: fp32 values, int64 indices (its coefficient 3)
+
+CompressionKind = Literal["none", "uniform", "adaptive"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressionPolicy:
+    """How each link's Top-K ratio is chosen."""
+
+    kind: CompressionKind = "adaptive"
+    ratio: float = 100.0  # the user's ratio: uniform uses it everywhere, adaptive on average
+    max_ratio: float = 1000.0  # no link is compressed harder than this
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("none", "uniform", "adaptive"):
+            raise ConfigError(f"CompressionPolicy.kind must be none/uniform/adaptive, got {self.kind!r}")
+        if not (self.ratio >= 1 and math.isfinite(self.ratio)) or self.max_ratio < self.ratio:
+            raise ConfigError(f"need 1 <= ratio <= max_ratio, got {self.ratio} / {self.max_ratio}")
+
+
+def adaptive_ratios(dense_times: np.ndarray, policy: CompressionPolicy) -> np.ndarray:
+    """Per-link ratios (paper §5.2): slower links get stronger compression.
+
+    ``r_l = clip(r * t_l / mean(t), 1, max_ratio)`` where ``t_l`` is link l's uncompressed
+    communication time, so the compressed times even out and the mean ratio stays near r.
+    Works on the last axis (one plan per row), so the exact solver can batch plans.
+    """
+    t = np.asarray(dense_times, dtype=float)
+    if policy.kind == "none" or t.shape[-1] == 0:
+        return np.ones_like(t)
+    if policy.kind == "uniform":
+        return np.full_like(t, policy.ratio)
+    mean = np.mean(t, axis=-1, keepdims=True)
+    safe = np.where(mean > 0, mean, 1.0)
+    return np.clip(policy.ratio * t / safe, 1.0, policy.max_ratio)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostConfig:
+    """Everything besides the swarm and the model that an estimate depends on."""
+
+    n_micro_batches: int = 8  # n_b: micro-batches per iteration
+    compression: CompressionPolicy = CompressionPolicy()
+    wire: WireFormat = WIRE
+    optimizer_states: int = 2  # AdamW keeps two moments per parameter
+    memory_headroom: float = 0.9  # plan at most this share of a peer's free memory
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n_micro_batches, int) or self.n_micro_batches < 1:
+            raise ConfigError(f"CostConfig.n_micro_batches must be >= 1, got {self.n_micro_batches!r}")
+        if not 0 < self.memory_headroom <= 1:
+            raise ConfigError(f"CostConfig.memory_headroom must be in (0, 1], got {self.memory_headroom}")
+
+    @property
+    def param_multiplier(self) -> int:
+        """Bytes of memory per byte of parameters: weights, grads, optimizer states."""
+        return 2 + self.optimizer_states

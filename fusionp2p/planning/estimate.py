@@ -1,0 +1,168 @@
+"""Iteration-time and memory estimates of a partition (FusionLLM §3.6).
+
+A partition is a list of ``Stage`` s (a peer and the OP-DAG positions it runs). Per
+micro-batch, stage s computes for ``flops / speed``; each pair of stages with traffic has a
+forward link (activations) and a backward link (gradients), each ``alpha + wire / bw`` in
+its own direction. Resources are peers (their stages share one device) and directed peer
+pairs. With ``L`` the forward plus backward critical path and ``B`` the busiest resource:
+
+    sequential (one micro-batch at a time):  n_b * L
+    pipelined  (n_b micro-batches in flight): L + (n_b - 1) * B
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from fusionp2p.opdag.ir import OpDag
+from fusionp2p.planning.cost import CostConfig, adaptive_ratios
+from fusionp2p.planning.topology import PlanningError, Topology
+
+__all__ = ["Estimate", "LinkEstimate", "Stage", "estimate"]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A sub-DAG and its owner: ``nodes`` are positions in the OP-DAG's topological order."""
+
+    peer: int  # index into the Topology
+    nodes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LinkEstimate:
+    """Traffic between two stages, per micro-batch."""
+
+    src: int  # stage index
+    dst: int
+    dense_bytes: float
+    ratio: float
+    wire_bytes: float
+    fwd_s: float  # activations src -> dst
+    bwd_s: float  # gradients dst -> src
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What a partition is expected to cost."""
+
+    sequential_s: float
+    pipelined_s: float
+    bottleneck_s: float
+    critical_path_s: float
+    compute_s: tuple[float, ...]  # per stage, forward + backward, per micro-batch
+    links: tuple[LinkEstimate, ...]
+    memory_bytes: tuple[float, ...]  # per stage
+    fits: bool  # every peer's stages fit its memory
+
+    @property
+    def iteration_s(self) -> float:
+        """The pipelined iteration time, or inf when the partition does not fit in memory."""
+        return self.pipelined_s if self.fits else float("inf")
+
+
+def estimate(
+    dag: OpDag,
+    topo: Topology,
+    stages: Sequence[Stage],
+    cost: CostConfig,
+    ratios: dict[tuple[int, int], float] | None = None,
+) -> Estimate:
+    """Estimates a partition; ``ratios`` default to the cost config's compression policy.
+
+    Raises:
+        PlanningError: a node assigned twice or never, or stages whose traffic forms a cycle.
+    """
+    owner = np.full(len(dag), -1)
+    for k, stage in enumerate(stages):
+        for pos in stage.nodes:
+            if owner[pos] != -1:
+                raise PlanningError(f"node {dag.nodes[pos].id!r} is assigned to two stages")
+            owner[pos] = k
+    if np.any(owner < 0):
+        raise PlanningError(
+            f"nodes without a stage: {[dag.nodes[i].id for i in np.flatnonzero(owner < 0)][:5]}"
+        )
+    traffic = dag.traffic(owner.tolist())
+    for a, b in traffic:
+        if a > b:
+            raise PlanningError(f"stage {a} sends to earlier stage {b}: order stages topologically")
+
+    n_b = cost.n_micro_batches
+    peers = [s.peer for s in stages]
+    fwd = np.array([sum(dag.nodes[i].fwd_flops for i in s.nodes) / topo.speed[s.peer] for s in stages])
+    bwd = np.array([sum(dag.nodes[i].bwd_flops for i in s.nodes) / topo.speed[s.peer] for s in stages])
+
+    pairs = sorted(traffic)
+    remote = [(a, b) for a, b in pairs if peers[a] != peers[b]]
+    dense_t = np.array(
+        [
+            topo.latency[peers[a], peers[b]] + traffic[a, b] / topo.bandwidth[peers[a], peers[b]]
+            for a, b in remote
+        ]
+    )
+    if ratios is None:
+        ratios = dict(zip(remote, adaptive_ratios(dense_t, cost.compression).tolist(), strict=True))
+    links = []
+    for a, b in pairs:
+        pa, pb = peers[a], peers[b]
+        if pa == pb:
+            links.append(LinkEstimate(a, b, traffic[a, b], 1.0, 0.0, 0.0, 0.0))
+            continue
+        r = float(ratios.get((a, b), 1.0))
+        wire = float(cost.wire.wire_bytes(traffic[a, b], r))
+        links.append(
+            LinkEstimate(
+                a,
+                b,
+                traffic[a, b],
+                r,
+                wire,
+                topo.latency[pa, pb] + wire / topo.bandwidth[pa, pb],
+                topo.latency[pb, pa] + wire / topo.bandwidth[pb, pa],
+            )
+        )
+
+    finish_f = np.zeros(len(stages))
+    for k in range(len(stages)):
+        start = max((finish_f[lk.src] + lk.fwd_s for lk in links if lk.dst == k), default=0.0)
+        finish_f[k] = start + fwd[k]
+    finish_b = np.zeros(len(stages))
+    for k in reversed(range(len(stages))):
+        start = max((finish_b[lk.dst] + lk.bwd_s for lk in links if lk.src == k), default=0.0)
+        finish_b[k] = start + bwd[k]
+    critical = float(finish_f.max() + finish_b.max())
+
+    busy: dict[object, float] = {}
+    for k, p in enumerate(peers):
+        busy[p] = busy.get(p, 0.0) + fwd[k] + bwd[k]
+    for lk in links:
+        pa, pb = peers[lk.src], peers[lk.dst]
+        if pa != pb:
+            busy[pa, pb] = busy.get((pa, pb), 0.0) + lk.fwd_s
+            busy[pb, pa] = busy.get((pb, pa), 0.0) + lk.bwd_s
+    bottleneck = max(busy.values())
+
+    n_stages = len(stages)
+    memory = [
+        cost.param_multiplier * sum(dag.nodes[i].param_bytes for i in s.nodes)
+        + min(n_b, n_stages - k) * sum(dag.nodes[i].saved_bytes for i in s.nodes)
+        for k, s in enumerate(stages)
+    ]
+    per_peer: dict[int, float] = {}
+    for k, p in enumerate(peers):
+        per_peer[p] = per_peer.get(p, 0.0) + memory[k]
+    fits = all(used <= cost.memory_headroom * topo.memory[p] for p, used in per_peer.items())
+    return Estimate(
+        sequential_s=n_b * critical,
+        pipelined_s=critical + (n_b - 1) * bottleneck,
+        bottleneck_s=float(bottleneck),
+        critical_path_s=critical,
+        compute_s=tuple((fwd + bwd).tolist()),
+        links=tuple(links),
+        memory_bytes=tuple(float(m) for m in memory),
+        fits=fits,
+    )

@@ -1,0 +1,88 @@
+"""The exact optimum for small cases: every ordered subset of peers, every set of cuts.
+
+Only for chain OP-DAGs (each node consumes at most its predecessor), where contiguous
+stages in a peer order are the whole search space and the vectorized chain costs equal
+``estimate``. Cost grows like ``P! * C(N-1, P-1)``: meant for up to ~7 peers and ~16 nodes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+
+from fusionp2p.opdag.ir import OpDag
+from fusionp2p.planning.chain import ChainCosts
+from fusionp2p.planning.cost import CostConfig, adaptive_ratios
+from fusionp2p.planning.estimate import Stage, estimate
+from fusionp2p.planning.plan import Plan
+from fusionp2p.planning.topology import PlanningError, Topology
+
+__all__ = ["exact_plan", "is_chain"]
+
+
+def is_chain(dag: OpDag) -> bool:
+    """Whether every node consumes nothing or only the node right before it."""
+    return all(set(n.inputs) <= ({dag.nodes[i - 1].id} if i else set()) for i, n in enumerate(dag.nodes))
+
+
+def exact_plan(
+    dag: OpDag, topo: Topology, cost: CostConfig, *, max_peers: int = 7, max_nodes: int = 32
+) -> Plan:
+    """The partition with the smallest pipelined iteration time.
+
+    Raises:
+        PlanningError: the case is too big or not a chain, or nothing fits in memory.
+    """
+    n, p_count = len(dag), len(topo)
+    if p_count > max_peers or n > max_nodes:
+        raise PlanningError(
+            f"exact search is for <= {max_peers} peers and <= {max_nodes} nodes, got {p_count} and {n}"
+        )
+    if not is_chain(dag):
+        raise PlanningError("exact search needs a chain OP-DAG (coarsen to blocks first)")
+    ch = ChainCosts(dag, topo, cost)
+    f_pre, b_pre = ch.flops_fwd, ch.flops_bwd
+    n_b = cost.n_micro_batches
+    best_t, best_assign = math.inf, None
+    for k in range(1, min(p_count, n) + 1):
+        combos = list(itertools.combinations(range(1, n), k - 1))
+        cuts = np.array(combos, dtype=int).reshape(len(combos), k - 1)
+        bounds = np.concatenate([np.zeros((len(cuts), 1), int), cuts, np.full((len(cuts), 1), n)], axis=1)
+        s_idx, e_idx = bounds[:, :-1], bounds[:, 1:]
+        flops_f = f_pre[e_idx] - f_pre[s_idx]
+        flops_b = b_pre[e_idx] - b_pre[s_idx]
+        inflight = np.minimum(n_b, k - np.arange(k))
+        mem = cost.param_multiplier * (ch.params[e_idx] - ch.params[s_idx]) + inflight * (
+            ch.saved[e_idx] - ch.saved[s_idx]
+        )
+        cut_bytes = ch.cut[cuts]
+        for seq in itertools.permutations(range(p_count), k):
+            seq_a = np.array(seq)
+            fits = np.all(mem <= cost.memory_headroom * topo.memory[seq_a], axis=1)
+            if not fits.any():
+                continue
+            speed = topo.speed[seq_a]
+            cf, cb = flops_f / speed, flops_b / speed
+            src, dst = seq_a[:-1], seq_a[1:]
+            lat_f, lat_b = topo.latency[src, dst], topo.latency[dst, src]
+            bw_f, bw_b = topo.bandwidth[src, dst], topo.bandwidth[dst, src]
+            ratios = adaptive_ratios(lat_f + cut_bytes / bw_f, cost.compression)
+            wire = cost.wire.wire_bytes(cut_bytes, ratios)
+            lf, lb = lat_f + wire / bw_f, lat_b + wire / bw_b
+            critical = cf.sum(1) + cb.sum(1) + lf.sum(1) + lb.sum(1)
+            bottleneck = np.max(cf + cb, axis=1)
+            if k > 1:
+                bottleneck = np.maximum(bottleneck, np.maximum(lf.max(1), lb.max(1)))
+            total = np.where(fits, critical + (n_b - 1) * bottleneck, np.inf)
+            i = int(np.argmin(total))
+            if total[i] < best_t:
+                best_t, best_assign = (
+                    float(total[i]),
+                    [(seq[j], int(s_idx[i, j]), int(e_idx[i, j])) for j in range(k)],
+                )
+    if best_assign is None:
+        raise PlanningError("no combination of peers has the memory for this model")
+    stages = [Stage(p, tuple(range(s, e))) for p, s, e in best_assign]
+    return Plan.build("exact", dag, topo, stages, cost, estimate(dag, topo, stages, cost))

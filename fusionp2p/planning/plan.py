@@ -1,0 +1,148 @@
+"""``Plan``: which peer runs which part of the OP-DAG, at which Top-K ratio per link.
+
+Made by one coordinator from records; published as one small ``PlanStageRecord`` per
+stage (node sets as ranges of the OP-DAG's topological order, outgoing links with ratios).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from fusionp2p.opdag.ir import OpDag
+from fusionp2p.planning.cost import CostConfig
+from fusionp2p.planning.estimate import Estimate, Stage
+from fusionp2p.planning.topology import PlanningError, Topology
+from fusionp2p.records import PlanStageRecord
+
+__all__ = ["Plan", "dag_fingerprint", "node_ranges"]
+
+
+def dag_fingerprint(dag: OpDag) -> str:
+    """Short hash of the OP-DAG's node ids and order: peers check they split the same graph."""
+    digest = hashlib.sha256("\n".join(n.id for n in dag.nodes).encode()).hexdigest()[:16]
+    return f"{dag.name[:40]}:{digest}"
+
+
+def node_ranges(nodes: Sequence[int]) -> tuple[int, ...]:
+    """Positions as flat [start, end) pairs: (0, 5, 9, 12) is 0..4 and 9..11."""
+    out: list[int] = []
+    for pos in sorted(nodes):
+        if out and out[-1] == pos:
+            out[-1] = pos + 1
+        else:
+            out += [pos, pos + 1]
+    return tuple(out)
+
+
+def _expand(ranges: Sequence[int]) -> tuple[int, ...]:
+    if len(ranges) % 2:
+        raise PlanningError(f"node ranges need start/end pairs, got {len(ranges)} numbers")
+    return tuple(i for s, e in zip(ranges[::2], ranges[1::2], strict=True) for i in range(s, e))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A partition with its per-link ratios and the estimate it was chosen for."""
+
+    method: str  # "op-fence", "exact", "equal-number/uniform", ...
+    dag: str  # dag_fingerprint of the OP-DAG it splits
+    peer_ids: tuple[str, ...]  # owner of each stage
+    stages: tuple[Stage, ...]
+    ratios: dict[tuple[int, int], float]  # (src stage, dst stage) -> Top-K ratio
+    n_micro_batches: int
+    estimate: Estimate
+    clusters: tuple[tuple[str, ...], ...] = field(default=())  # peer ids per bandwidth cluster
+
+    @classmethod
+    def build(
+        cls,
+        method: str,
+        dag: OpDag,
+        topo: Topology,
+        stages: Sequence[Stage],
+        cost: CostConfig,
+        est: Estimate,
+        clusters: Sequence[Sequence[int]] = (),
+    ) -> Plan:
+        ratios = {(lk.src, lk.dst): lk.ratio for lk in est.links}
+        return cls(
+            method,
+            dag_fingerprint(dag),
+            tuple(topo.peer_ids[s.peer] for s in stages),
+            tuple(stages),
+            ratios,
+            cost.n_micro_batches,
+            est,
+            tuple(tuple(topo.peer_ids[p] for p in c) for c in clusters),
+        )
+
+    @property
+    def iteration_s(self) -> float:
+        return self.estimate.iteration_s
+
+    def to_records(self, *, plan_id: str, epoch: int, made_by: str, made_at: float) -> list[PlanStageRecord]:
+        """One wire record per stage, for the DHT."""
+        return [
+            PlanStageRecord(
+                plan_id=plan_id,
+                epoch=epoch,
+                stage=k,
+                n_stages=len(self.stages),
+                peer_id=self.peer_ids[k],
+                dag=self.dag,
+                node_ranges=node_ranges(stage.nodes),
+                links_to={str(b): r for (a, b), r in self.ratios.items() if a == k},
+                n_micro_batches=self.n_micro_batches,
+                est_iteration_s=self.estimate.pipelined_s,
+                made_by=made_by,
+                made_at=made_at,
+            )
+            for k, stage in enumerate(self.stages)
+        ]
+
+    @staticmethod
+    def stages_from_records(
+        records: Sequence[PlanStageRecord], dag: OpDag
+    ) -> list[tuple[str, tuple[int, ...]]]:
+        """(peer id, node positions) per stage, checked against ``dag``.
+
+        Raises:
+            PlanningError: records of different plans, a missing stage, or another OP-DAG.
+        """
+        if not records:
+            raise PlanningError("no plan records")
+        first = records[0]
+        by_stage = {r.stage: r for r in records if (r.plan_id, r.epoch) == (first.plan_id, first.epoch)}
+        if sorted(by_stage) != list(range(first.n_stages)):
+            raise PlanningError(f"plan {first.plan_id} has stages {sorted(by_stage)} of {first.n_stages}")
+        if first.dag != dag_fingerprint(dag):
+            raise PlanningError(f"plan splits OP-DAG {first.dag}, this peer built {dag_fingerprint(dag)}")
+        return [(by_stage[k].peer_id, _expand(by_stage[k].node_ranges)) for k in range(first.n_stages)]
+
+    def describe(self, dag: OpDag) -> str:
+        """A human-readable table of stages and links."""
+        est = self.estimate
+        rows = [
+            f"plan {self.method}: {len(self.stages)} stage(s), n_b={self.n_micro_batches}, "
+            f"iteration {est.pipelined_s:.3f} s pipelined / {est.sequential_s:.3f} s sequential, "
+            f"bottleneck {est.bottleneck_s * 1e3:.1f} ms{'' if est.fits else ' (DOES NOT FIT)'}",
+            f"{'STAGE':>5} {'PEER':<10} {'NODES':<28} {'COMPUTE ms':>10} {'MEMORY GiB':>10}",
+        ]
+        for k, stage in enumerate(self.stages):
+            ids = [dag.nodes[i].id for i in stage.nodes]
+            span = ids[0] if len(ids) == 1 else f"{ids[0]} .. {ids[-1]} ({len(ids)})"
+            rows.append(
+                f"{k:>5} {self.peer_ids[k][-8:]:<10} {span[:28]:<28} {est.compute_s[k] * 1e3:>10.1f} "
+                f"{est.memory_bytes[k] / 2**30:>10.2f}"
+            )
+        for lk in est.links:
+            if lk.wire_bytes:
+                rows.append(
+                    f"  link {lk.src}->{lk.dst}: {lk.dense_bytes / 2**20:.1f} MiB dense, "
+                    f"ratio {lk.ratio:.0f}, "
+                    f"{lk.wire_bytes / 2**20:.2f} MiB on the wire, fwd {lk.fwd_s * 1e3:.1f} ms, "
+                    f"bwd {lk.bwd_s * 1e3:.1f} ms"
+                )
+        return "\n".join(rows)

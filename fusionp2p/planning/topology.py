@@ -1,0 +1,163 @@
+"""The swarm as the planner sees it: arrays of peer speed, memory, link bandwidth and latency.
+
+Built from PeerRecords and LinkRecords. A direction measured only the other way is taken
+from its reverse; a pair never measured gets its widest-path estimate through measured
+links (bandwidth = the narrowest hop of the widest path, latency = the path's sum), since
+peers of one swarm can usually dial each other. A swarm whose measured links do not
+connect every peer is refused: nothing tells how those parts talk.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from fusionp2p.errors import FusionP2PError
+from fusionp2p.records import LinkRecord, PeerRecord
+
+__all__ = ["PlanningError", "Topology"]
+
+
+class PlanningError(FusionP2PError, ValueError):
+    """The planner cannot make a plan; the message says what is missing or wrong."""
+
+
+@dataclass(frozen=True, eq=False)
+class Topology:
+    """Peers ``0..n-1`` and their links; ``bandwidth[i, j]`` is bytes/s from i to j."""
+
+    peer_ids: tuple[str, ...]
+    speed: np.ndarray  # FLOP/s per peer (fp32 matmul)
+    memory: np.ndarray  # bytes each peer may fill
+    bandwidth: np.ndarray  # (n, n) bytes/s, inf on the diagonal
+    latency: np.ndarray  # (n, n) one-way seconds (RTT / 2), 0 on the diagonal
+    measured: np.ndarray  # (n, n) bool: this direction (or its reverse) was probed
+
+    def __len__(self) -> int:
+        return len(self.peer_ids)
+
+    @classmethod
+    def from_arrays(
+        cls,
+        peer_ids: Sequence[str],
+        speed: Sequence[float],
+        memory: Sequence[float],
+        bandwidth: np.ndarray,
+        latency: np.ndarray | None = None,
+    ) -> Topology:
+        """A fully measured topology from plain arrays (tests, synthetic swarms)."""
+        n = len(peer_ids)
+        bw = np.array(bandwidth, dtype=float)
+        lat = np.zeros((n, n)) if latency is None else np.array(latency, dtype=float)
+        np.fill_diagonal(bw, np.inf)
+        np.fill_diagonal(lat, 0.0)
+        topo = cls(
+            tuple(peer_ids),
+            np.asarray(speed, dtype=float),
+            np.asarray(memory, dtype=float),
+            bw,
+            lat,
+            ~np.eye(n, dtype=bool),
+        )
+        topo.validate()
+        return topo
+
+    @classmethod
+    def from_records(cls, peers: Sequence[PeerRecord], links: Sequence[LinkRecord]) -> Topology:
+        """Builds the planner's view of a swarm.
+
+        Raises:
+            PlanningError: no peers, a bad measurement, or a disconnected link graph.
+        """
+        if not peers:
+            raise PlanningError("the swarm has no live peers to plan on")
+        ids = tuple(sorted(p.peer_id for p in peers))
+        pos = {pid: i for i, pid in enumerate(ids)}
+        by_id = {p.peer_id: p for p in peers}
+        n = len(ids)
+        bw = np.full((n, n), np.nan)
+        lat = np.full((n, n), np.nan)
+        for link in links:
+            if link.src in pos and link.dst in pos:
+                bw[pos[link.src], pos[link.dst]] = link.bandwidth_bps
+                lat[pos[link.src], pos[link.dst]] = link.rtt_s / 2
+        reverse = np.isnan(bw) & ~np.isnan(bw.T)
+        bw[reverse], lat[reverse] = bw.T[reverse], lat.T[reverse]
+        measured = ~np.isnan(bw)
+        np.fill_diagonal(measured, False)
+        _check_connected(ids, measured)
+        bw, lat = _widest_paths(bw, lat)
+        speed = np.array([by_id[i].fp32_flops for i in ids])
+        memory = np.array([float(by_id[i].memory_bytes) for i in ids])
+        topo = cls(ids, speed, memory, bw, lat, measured)
+        topo.validate()
+        return topo
+
+    def validate(self) -> None:
+        """Raises PlanningError on NaN, negative or zero measurements."""
+        n = len(self.peer_ids)
+        for name, arr in (("speed", self.speed), ("memory", self.memory)):
+            if arr.shape != (n,) or not np.all(np.isfinite(arr)) or np.any(arr < 0):
+                bad = [self.peer_ids[i][-8:] for i in np.flatnonzero(~np.isfinite(arr) | (arr < 0))]
+                raise PlanningError(f"peer {name} must be finite and >= 0; bad for {bad}")
+        if np.any(self.speed <= 0):
+            raise PlanningError("every peer needs a positive measured speed")
+        off = ~np.eye(n, dtype=bool)
+        if (
+            self.bandwidth.shape != (n, n)
+            or np.any(np.isnan(self.bandwidth))
+            or np.any(self.bandwidth[off] <= 0)
+        ):
+            raise PlanningError("link bandwidths must be positive numbers (no NaN, no zero)")
+        if np.any(np.isnan(self.latency)) or np.any(self.latency < 0):
+            raise PlanningError("link latencies must be >= 0 (no NaN)")
+
+    def subset(self, members: Sequence[int]) -> Topology:
+        """The topology restricted to ``members`` (in that order)."""
+        idx = np.asarray(members)
+        return Topology(
+            tuple(self.peer_ids[i] for i in members),
+            self.speed[idx],
+            self.memory[idx],
+            self.bandwidth[np.ix_(idx, idx)],
+            self.latency[np.ix_(idx, idx)],
+            self.measured[np.ix_(idx, idx)],
+        )
+
+
+def _check_connected(ids: tuple[str, ...], measured: np.ndarray) -> None:
+    n = len(ids)
+    seen, stack = {0}, [0]
+    adjacency = measured | measured.T
+    while stack:
+        i = stack.pop()
+        for j in np.flatnonzero(adjacency[i]):
+            if j not in seen:
+                seen.add(int(j))
+                stack.append(int(j))
+    if len(seen) < n:
+        cut_off = [ids[i][-8:] for i in range(n) if i not in seen]
+        raise PlanningError(
+            f"the swarm is disconnected: no measured link joins peers {cut_off} to the rest "
+            f"({len(seen)} of {n} peers reachable); wait for link probes or check their network"
+        )
+
+
+def _widest_paths(bw: np.ndarray, lat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Fills unmeasured pairs with the widest path's bottleneck and latency (Floyd-Warshall)."""
+    n = len(bw)
+    width = np.where(np.isnan(bw), 0.0, bw)
+    delay = np.where(np.isnan(lat), math.inf, lat)
+    np.fill_diagonal(width, np.inf)
+    np.fill_diagonal(delay, 0.0)
+    if np.all(width > 0):
+        return width, delay
+    for k in range(n):
+        through = np.minimum(width[:, k : k + 1], width[k : k + 1, :])
+        better = through > width
+        width = np.where(better, through, width)
+        delay = np.where(better, delay[:, k : k + 1] + delay[k : k + 1, :], delay)
+    return width, delay

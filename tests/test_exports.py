@@ -1,0 +1,30 @@
+"""The top-level package exports exactly its public API."""
+
+import fusionp2p
+
+
+def test_top_level_all() -> None:
+    assert sorted(fusionp2p.__all__) == sorted(
+        [
+            "DEFAULT_SWARM",
+            "ConfigError",
+            "FusionP2PError",
+            "LinkRecord",
+            "PeerConfig",
+            "PeerRecord",
+            "PeerUnreachableError",
+            "ProbeConfig",
+            "ProfileError",
+            "ProtocolError",
+            "RecordError",
+            "Swarm",
+            "SwarmError",
+            "Timeouts",
+            "__version__",
+        ]
+    )
+    for name in fusionp2p.__all__:
+        assert getattr(fusionp2p, name) is not None
+    from fusionp2p.swarm import Swarm
+
+    assert fusionp2p.Swarm is Swarm
