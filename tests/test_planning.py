@@ -30,6 +30,11 @@ from fusionp2p.planning import (
 from fusionp2p.records import LinkRecord, PeerRecord, PlanStageRecord
 
 GB = 1 << 30
+GPT2_SMALL = TransformerShape("gpt2", 12, 768, 12, 50257, 1024, 3072, 12, True)
+
+
+def gpt2_small(*, seq_len: int, micro_batch: int) -> OpDag:
+    return transformer_dag(GPT2_SMALL, seq_len=seq_len, micro_batch=micro_batch, granularity="block")
 
 
 def two_node_dag() -> OpDag:
@@ -181,12 +186,7 @@ def test_bad_measurements_get_a_clear_planning_error(bad: str) -> None:
 
 
 def test_a_model_that_fits_nowhere_gets_a_planning_error() -> None:
-    dag = transformer_dag(
-        TransformerShape("gpt2", 12, 768, 12, 50257, 1024, 3072, 12, True),
-        seq_len=128,
-        micro_batch=1,
-        granularity="block",
-    )
+    dag = gpt2_small(seq_len=128, micro_batch=1)
     tiny = Topology.from_arrays(["a", "b"], [1e12, 1e12], [0.1 * GB, 0.1 * GB], np.full((2, 2), 1e9))
     with pytest.raises(PlanningError, match="does not fit"):
         op_fence(dag, tiny, CostConfig())
@@ -225,12 +225,7 @@ def test_exact_solver_agrees_with_brute_force_over_estimate() -> None:
 
 
 def test_op_fence_beats_the_baselines_and_stays_near_the_optimum_on_synthetic_swarms() -> None:
-    dag = transformer_dag(
-        TransformerShape("gpt2", 12, 768, 12, 50257, 1024, 3072, 12, True),
-        seq_len=1024,
-        micro_batch=4,
-        granularity="block",
-    )
+    dag = gpt2_small(seq_len=1024, micro_batch=4)
     cost = CostConfig(n_micro_batches=8)
     gaps = []
     for seed in range(8):

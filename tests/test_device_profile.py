@@ -1,0 +1,37 @@
+"""The device profile is measured, cached per device, and overridable."""
+
+import time
+
+import pytest
+
+from fusionp2p.errors import ProfileError
+from fusionp2p.runtime.device_profile import free_memory, measure_device, profile_device
+
+
+def test_measure_cpu_reports_positive_flops_and_memory() -> None:
+    profile = measure_device("cpu", budget_s=0.05)
+    assert profile.flops["float32"] > 1e8
+    assert all(v > 0 for v in profile.flops.values())
+    assert profile.total_memory_bytes > 0 and profile.measured["float32"]
+    free, total = free_memory("cpu")
+    assert 0 < free <= total
+
+
+def test_profile_is_cached_and_flops_override_skips_measuring(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FUSIONP2P_CACHE", str(tmp_path))
+    first = profile_device("cpu")
+    assert list(tmp_path.glob("profile-*.json"))
+    start = time.perf_counter()
+    again = profile_device("cpu")
+    assert time.perf_counter() - start < 0.5  # read, not re-measured
+    assert again.flops == first.flops
+    declared = profile_device("cpu", flops_override=5e12)
+    assert declared.flops == {"float32": 5e12} and declared.measured == {"float32": False}
+
+
+def test_missing_cuda_is_a_clear_error(monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ProfileError, match="CUDA is not available"):
+        measure_device("cuda:0")
