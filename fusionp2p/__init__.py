@@ -7,6 +7,7 @@
 - ``runtime/``: device profiling.
 - ``opdag/``: the OP-DAG IR and analytic transformer OP-DAGs.
 - ``planning/``: cost model, estimators, clustering, OP-Fence, baselines, exact solver, Plan.
+- ``compression/``: Top-K selection, wire format, error feedback (CUDA kernels in ``kernels``).
 - ``peer.py``: the long-running Peer.
 - ``swarm.py``: the public Swarm facade.
 - ``launch.py``: LocalSwarm, several peer processes on this machine.

@@ -25,13 +25,14 @@ __all__ = [
     "LinkRecord",
     "PeerRecord",
     "PlanStageRecord",
+    "TopKHeader",
     "decode_record",
 ]
 
 MAX_RECORD_BYTES = 2048
 PEER_STATES = ("joining", "idle", "training", "leaving")
 _MAX_LIST = 16
-_MAX_INTS = 128
+_MAX_INTS = 128  # node ranges of a plan stage; a tensor shape
 _MAX_STR = 256
 
 R = TypeVar("R", bound="_WireRecord")
@@ -231,10 +232,52 @@ class PlanStageRecord(_WireRecord):
             raise RecordError("PlanStageRecord ratios and n_micro_batches must be >= 1")
 
 
-_KINDS: dict[str, type[_WireRecord]] = {cls.KIND: cls for cls in (PeerRecord, LinkRecord, PlanStageRecord)}
+TOPK_VALUE_DTYPES = ("float32", "float16", "bfloat16")
+TOPK_INDEX_FORMATS = ("dense", "int32", "delta16", "bitmap")
 
 
-def decode_record(data: bytes) -> PeerRecord | LinkRecord | PlanStageRecord:
+@dataclass(frozen=True)
+class TopKHeader(_WireRecord):
+    """How a Top-K-compressed tensor's body is laid out (carried in OpData's compression metadata).
+
+    body = index section (``index_bytes``) followed by the values (``k`` x value dtype).
+    """
+
+    KIND: ClassVar[str] = "topk"
+
+    shape: tuple[int, ...]  # the dense tensor's shape
+    dtype: str  # the dense tensor's dtype name
+    value_dtype: str  # dtype of the kept values on the wire, one of TOPK_VALUE_DTYPES
+    index_format: str  # one of TOPK_INDEX_FORMATS ("dense": no indices, every value sent)
+    numel: int
+    k: int  # entries kept
+    index_bytes: int
+    ratio: float  # the ratio asked for (numel / k when it was applied)
+    base: int = 0  # delta16: the first index
+
+    def __post_init__(self) -> None:
+        if self.value_dtype not in TOPK_VALUE_DTYPES or self.dtype not in TOPK_VALUE_DTYPES:
+            raise RecordError(
+                f"TopKHeader dtypes must be in {TOPK_VALUE_DTYPES}, got {self.dtype}/{self.value_dtype}"
+            )
+        if self.index_format not in TOPK_INDEX_FORMATS:
+            raise RecordError(
+                f"TopKHeader.index_format must be in {TOPK_INDEX_FORMATS}, got {self.index_format!r}"
+            )
+        if any(d < 0 for d in self.shape) or math.prod(self.shape) != self.numel:
+            raise RecordError(f"TopKHeader shape {self.shape} does not hold numel {self.numel}")
+        if not 0 <= self.k <= self.numel or self.index_bytes < 0 or self.base < 0:
+            raise RecordError(
+                f"TopKHeader needs 0 <= k <= numel and sizes >= 0, got k={self.k}, numel={self.numel}"
+            )
+
+
+_KINDS: dict[str, type[_WireRecord]] = {
+    cls.KIND: cls for cls in (PeerRecord, LinkRecord, PlanStageRecord, TopKHeader)
+}
+
+
+def decode_record(data: bytes) -> PeerRecord | LinkRecord | PlanStageRecord | TopKHeader:
     """Decodes any known record by its ``kind`` field.
 
     Raises:

@@ -11,7 +11,7 @@ from hivemind.utils import get_dht_time
 
 from fusionp2p.net.identity import ensure_identity, load_signing_key
 from fusionp2p.net.validation import make_validators
-from fusionp2p.records import LinkRecord, PeerRecord
+from fusionp2p.records import LinkRecord, PeerRecord, TopKHeader
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,16 @@ def test_accepts_a_peers_own_records(keys) -> None:
 
 
 @pytest.mark.parametrize(
-    "case", ["forged_claim", "wrong_signature", "unsigned", "malformed", "oversized", "far_expiration"]
+    "case",
+    [
+        "forged_claim",
+        "wrong_signature",
+        "unsigned",
+        "malformed",
+        "oversized",
+        "far_expiration",
+        "not_a_dht_record",
+    ],
 )
 def test_rejects_bad_records_and_logs_a_protocol_error(keys, case, caplog) -> None:
     (alice, alice_key), (_mallory, mallory_key) = keys
@@ -90,6 +99,18 @@ def test_rejects_bad_records_and_logs_a_protocol_error(keys, case, caplog) -> No
         body = msgpack.unpackb(_peer_record(alice).to_wire())
         body["padding"] = "x" * 3000
         record = _signed(alice_key, _marker(alice_key), msgpack.packb(body))
+    elif case == "not_a_dht_record":
+        header = TopKHeader(
+            shape=(2,),
+            dtype="float32",
+            value_dtype="float32",
+            index_format="dense",
+            numel=2,
+            k=2,
+            index_bytes=0,
+            ratio=1.0,
+        )
+        record = _signed(alice_key, _marker(alice_key), header.to_wire())
     else:
         record = _signed(alice_key, _marker(alice_key), _peer_record(alice).to_wire(), lifetime=1e7)
     with caplog.at_level(logging.WARNING, logger="fusionp2p"):
@@ -101,5 +122,6 @@ def test_rejects_bad_records_and_logs_a_protocol_error(keys, case, caplog) -> No
         "malformed": "malformed",
         "oversized": "oversized",
         "far_expiration": "expiration too far",
+        "not_a_dht_record": "not a DHT record",
     }
     assert f"protocol error: rejected DHT record: {reason[case]}" in caplog.text

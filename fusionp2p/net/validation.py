@@ -66,13 +66,15 @@ class LoggingSignatureValidator(RSASignatureValidator):
         return self._log.reject("bad signature", "the value is not signed by the key in its subkey")
 
 
-def _speaker(record: PeerRecord | LinkRecord | PlanStageRecord) -> str:
-    """The peer a record speaks for, who alone may sign it."""
+def _speaker(record: object) -> str | None:
+    """The peer a DHT record speaks for, who alone may sign it (None: not a DHT record)."""
     if isinstance(record, PeerRecord):
         return record.peer_id
     if isinstance(record, LinkRecord):
         return record.src
-    return record.made_by
+    if isinstance(record, PlanStageRecord):
+        return record.made_by
+    return None
 
 
 class SwarmRecordValidator(RecordValidatorBase):
@@ -99,6 +101,8 @@ class SwarmRecordValidator(RecordValidatorBase):
         except (RecordError, ValueError, TypeError, msgpack.UnpackException) as e:
             return self._log.reject("malformed", str(e)[:200])
         claimed = _speaker(parsed)
+        if claimed is None:
+            return self._log.reject("not a DHT record", f"a {type(parsed).__name__} has no place in the DHT")
         try:
             signer = peer_id_from_public_key(owners[0])
         except (ValueError, TypeError) as e:

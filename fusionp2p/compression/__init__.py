@@ -1,0 +1,26 @@
+"""Top-K compression of activations and gradients (FusionLLM §5).
+
+- ``topk.py``: the reference selection (the spec), the fast exact CPU path, the dispatcher
+  to ``fusionp2p.kernels`` on CUDA.
+- ``wire.py``: the wire format (values fp32/fp16/bf16; int32, delta16 or bitmap indices)
+  and its strict decoder.
+- ``feedback.py``: error feedback per link and tensor, bounded; a link's compressor.
+"""
+
+from fusionp2p.compression.feedback import ErrorFeedback, LinkCompressor
+from fusionp2p.compression.topk import k_for_ratio, topk_fast, topk_indices, topk_reference
+from fusionp2p.compression.wire import Encoded, PayloadError, decode, encode, paper_bytes
+
+__all__ = [
+    "Encoded",
+    "ErrorFeedback",
+    "LinkCompressor",
+    "PayloadError",
+    "decode",
+    "encode",
+    "k_for_ratio",
+    "paper_bytes",
+    "topk_fast",
+    "topk_indices",
+    "topk_reference",
+]
