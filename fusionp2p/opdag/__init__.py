@@ -2,7 +2,9 @@
 
 - ``ir.py``: OpNode and OpDag (pure data: FLOPs, bytes, edges, topological order, cuts).
 - ``analytic.py``: the OP-DAG of a transformer family (GPT-2, Llama) computed from its
-  config, at block or sub-layer granularity; what the planner uses until tracing lands.
+  config, at block or sub-layer granularity (what ``fusionp2p plan`` uses today).
+- ``trace.py``: the op-level OP-DAG of any exportable module (``torch.export``), with
+  FLOPs and bytes per aten op, and ``coarsen`` to submodule granularity.
 """
 
 from fusionp2p.opdag.analytic import TransformerShape, transformer_dag
