@@ -2,6 +2,7 @@
 
 import pytest
 import transformers
+from tiny_models import tiny_llama_config
 
 from fusionp2p.errors import ConfigError
 from fusionp2p.opdag import OpDag, OpNode, TransformerShape, transformer_dag
@@ -24,15 +25,7 @@ def test_gpt2_parameters_match_the_real_model(granularity: str) -> None:
 
 
 def test_llama_parameters_match_the_real_model() -> None:
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=172,
-        vocab_size=300,
-        max_position_embeddings=128,
-    )
+    config = tiny_llama_config()
     dag = transformer_dag(TransformerShape.from_hf_config(config), seq_len=16, micro_batch=1)
     assert dag.total_param_bytes // 4 == _n_params(transformers.LlamaForCausalLM(config))
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import transformers
+from tiny_models import tiny_llama_config
 
 from fusionp2p.opdag import TransformerShape, transformer_dag
 from fusionp2p.opdag.trace import CausalLMWrapper, coarsen, trace_module
@@ -35,15 +36,7 @@ def test_gpt2_traces_with_each_parameter_once_and_the_analytic_flops() -> None:
 
 
 def test_llama_traces_with_its_parameters() -> None:
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=172,
-        vocab_size=300,
-        max_position_embeddings=64,
-    )
+    config = tiny_llama_config()
     model = transformers.LlamaForCausalLM(config).eval()
     dag = trace_module(CausalLMWrapper(model), (torch.randint(0, 300, (B, T)),), strip_prefix="model.").dag
     assert dag.total_param_bytes >= 4 * _params(model)  # + the rotary buffers
