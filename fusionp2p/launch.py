@@ -100,6 +100,7 @@ class LocalSwarm:
             str(self.workdir / f"peer{index}.key"),
             "--ready-file",
             str(ready_path),
+            "--exit-with-parent",
             *self.peer_args[index],
         ]
         if initial_peers:

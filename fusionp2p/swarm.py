@@ -43,11 +43,27 @@ class Swarm:
             )
         self.initial_peers = list(initial_peers)
         self.name = swarm
-        self._dht = start_dht(initial_peers=self.initial_peers, client_mode=True)
-        self._directory = SwarmDirectory(self._dht, swarm, timeout=timeout)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
+        try:
+            asyncio.get_running_loop()
+            self._dht = start_dht(initial_peers=self.initial_peers, client_mode=True)
+        except RuntimeError:
+            # sync use: hivemind's futures bind to the thread's current loop (creating one if
+            # there is none, never closed); give them this Swarm's own loop, closed on close()
+            self._loop = asyncio.new_event_loop()
+            previous = getattr(asyncio.get_event_loop_policy(), "_local", None)
+            previous_loop = getattr(previous, "_loop", None)
+            asyncio.set_event_loop(self._loop)
+            try:
+                self._dht = start_dht(initial_peers=self.initial_peers, client_mode=True)
+            except BaseException:
+                self._loop.close()
+                raise
+            finally:
+                asyncio.set_event_loop(previous_loop)
+        self._directory = SwarmDirectory(self._dht, swarm, timeout=timeout)
 
     # -- async API ---------------------------------------------------------------------
 
@@ -75,8 +91,9 @@ class Swarm:
             coro.close()
             raise SwarmError("this Swarm is closed")
         if self._loop is None:
-            # one long-lived loop per Swarm: hivemind ties its futures to the first loop used
             self._loop = asyncio.new_event_loop()
+        if self._thread is None:
+            # one long-lived loop per Swarm: hivemind ties its futures to the first loop used
             self._thread = threading.Thread(
                 target=self._loop.run_forever, name="fusionp2p-swarm", daemon=True
             )
@@ -101,12 +118,12 @@ class Swarm:
         if self._closed:
             return
         self._closed = True
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            assert self._thread is not None
-            self._thread.join(5)
-            self._loop.close()
         self._dht.shutdown()
+        if self._loop is not None:
+            if self._thread is not None:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(5)
+            self._loop.close()
 
     def __enter__(self) -> Swarm:
         return self

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -110,6 +111,8 @@ def test_forged_malformed_and_oversized_records_are_rejected(local, client, tmp_
     before = {p.peer_id: p for p in client.peers()}
     forged = dataclasses.replace(before[victim.peer_id], device_name="FORGED", updated_at=time.time() + 5)
 
+    loop = asyncio.new_event_loop()  # hivemind's futures take the current loop: ours, closed below
+    asyncio.set_event_loop(loop)
     attacker = hivemind.DHT(
         initial_peers=local.initial_peers,
         start=True,
@@ -132,7 +135,7 @@ def test_forged_malformed_and_oversized_records_are_rejected(local, client, tmp_
             "oversized": (
                 directory.peers_key(_shard(mallory)),
                 mallory.encode() + mallory_marker,
-                bytes(20_000),
+                bytes(2200),  # > MAX_RECORD_BYTES; the pickled store request stays < 4 KiB
             ),
         }
         for key, subkey, value in attempts.values():
@@ -140,6 +143,8 @@ def test_forged_malformed_and_oversized_records_are_rejected(local, client, tmp_
             assert future.result(timeout=60) is False
     finally:
         attacker.shutdown()
+        asyncio.set_event_loop(None)
+        loop.close()
 
     logs = "".join(p.log() for p in local.peers[:4])
     for reason in attempts:
