@@ -28,13 +28,12 @@ def _positive(owner: str, **values: float) -> None:
 class Timeouts:
     """Deadlines for remote work, in seconds."""
 
-    connect: float = 10.0  # opening a stream to a peer
     probe: float = 20.0  # one whole bandwidth/RTT probe of one link
     dht: float = 15.0  # one DHT get or store
     shutdown: float = 10.0  # leaving the swarm cleanly
 
     def __post_init__(self) -> None:
-        _positive("Timeouts", connect=self.connect, probe=self.probe, dht=self.dht, shutdown=self.shutdown)
+        _positive("Timeouts", probe=self.probe, dht=self.dht, shutdown=self.shutdown)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -115,18 +115,6 @@ class Topology:
         if np.any(np.isnan(self.latency)) or np.any(self.latency < 0):
             raise PlanningError("link latencies must be >= 0 (no NaN)")
 
-    def subset(self, members: Sequence[int]) -> Topology:
-        """The topology restricted to ``members`` (in that order)."""
-        idx = np.asarray(members)
-        return Topology(
-            tuple(self.peer_ids[i] for i in members),
-            self.speed[idx],
-            self.memory[idx],
-            self.bandwidth[np.ix_(idx, idx)],
-            self.latency[np.ix_(idx, idx)],
-            self.measured[np.ix_(idx, idx)],
-        )
-
 
 def _check_connected(ids: tuple[str, ...], measured: np.ndarray) -> None:
     n = len(ids)
