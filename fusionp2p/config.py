@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from fusionp2p.errors import ConfigError
 
-__all__ = ["DEFAULT_SWARM", "PeerConfig", "ProbeConfig", "Timeouts"]
+__all__ = ["DEFAULT_SWARM", "OptimizerConfig", "PeerConfig", "ProbeConfig", "Timeouts"]
 
 DEFAULT_SWARM = "fusionp2p"
 _SWARM_NAME_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
@@ -114,3 +114,54 @@ class PeerConfig:
                 f"PeerConfig.record_ttl ({self.record_ttl}) must be at least twice the "
                 f"heartbeat ({self.heartbeat}), or records expire between refreshes"
             )
+
+
+_OPTIMIZERS = ("adamw", "sgd")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """The optimizer every stage applies to its own parameters after each iteration."""
+
+    name: str = "adamw"  # "adamw" or "sgd"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)  # adamw
+    eps: float = 1e-8  # adamw
+    weight_decay: float = 0.01
+    momentum: float = 0.0  # sgd
+
+    def __post_init__(self) -> None:
+        if self.name not in _OPTIMIZERS:
+            raise ConfigError(f"OptimizerConfig.name must be one of {_OPTIMIZERS}, got {self.name!r}")
+        _positive("OptimizerConfig", lr=self.lr, eps=self.eps)
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"OptimizerConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
+        if not (self.weight_decay >= 0 and 0 <= self.momentum < 1):
+            raise ConfigError("OptimizerConfig.weight_decay must be >= 0 and momentum in [0, 1)")
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "lr": self.lr,
+            "betas": list(self.betas),
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "momentum": self.momentum,
+        }
+
+    @classmethod
+    def from_dict(cls, body: object) -> OptimizerConfig:
+        """Raises ConfigError on a malformed dict (it comes from another peer)."""
+        if not isinstance(body, dict):
+            raise ConfigError("optimizer config must be a JSON object")
+        try:
+            return cls(
+                name=str(body.get("name", "adamw")),
+                lr=float(body.get("lr", 1e-3)),
+                betas=tuple(float(b) for b in body.get("betas", (0.9, 0.999))),  # type: ignore[arg-type]
+                eps=float(body.get("eps", 1e-8)),
+                weight_decay=float(body.get("weight_decay", 0.01)),
+                momentum=float(body.get("momentum", 0.0)),
+            )
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"optimizer config has a mistyped field: {e}") from e

@@ -2,7 +2,8 @@
 
 A ``Peer`` is an async resource: ``peer = await Peer.create(config)`` ... ``await
 peer.aclose()``, or ``async with await Peer.create(config) as peer``. While open it runs
-two tracked background tasks: the heartbeat (PeerRecord + its LinkRecords, each a signed
+an executor service (a data owner sets a stage of its job up here and streams OpData
+to it) and two tracked background tasks: the heartbeat (PeerRecord + its LinkRecords, each a signed
 expiring DHT entry) and the probe loop (a bounded sample of peers per period).
 """
 
@@ -30,6 +31,7 @@ from fusionp2p.net.probe import PROBE_PROTOCOL, LinkEstimator, probe_link, serve
 from fusionp2p.net.transport import P2PTransport, RateLimitedTransport, Transport
 from fusionp2p.records import PeerRecord
 from fusionp2p.runtime.device_profile import DeviceProfile, free_memory, profile_device
+from fusionp2p.runtime.service import ExecutorService
 
 __all__ = ["Peer"]
 
@@ -63,6 +65,7 @@ class Peer:
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
         self._maddrs: list[str] = []
+        self.executors: ExecutorService | None = None  # runs the stage a data owner assigns here
 
     @classmethod
     async def create(cls, config: PeerConfig) -> Peer:
@@ -100,6 +103,7 @@ class Peer:
             )
             peer._maddrs = [str(m) for m in maddrs]
             await transport.serve(PROBE_PROTOCOL, peer._serve_probe)
+            peer.executors = await ExecutorService(transport).start()
             await peer._publish_self()
             peer.state = "idle"
             await peer._publish_self()
@@ -233,6 +237,8 @@ class Peer:
         self.state = "leaving"
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._publish_self(), self.config.timeouts.shutdown / 2)
+        if self.executors is not None:
+            await self.executors.aclose()
         with contextlib.suppress(Exception):
             await self.transport.aclose()
         await asyncio.to_thread(self.dht.shutdown)

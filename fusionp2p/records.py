@@ -20,9 +20,14 @@ import msgpack
 from fusionp2p.errors import RecordError
 
 __all__ = [
+    "EXEC_COMMANDS",
     "MAX_RECORD_BYTES",
+    "OPDATA_DIRECTIONS",
+    "OPDATA_DTYPES",
     "PEER_STATES",
+    "ExecControl",
     "LinkRecord",
+    "OpData",
     "PeerRecord",
     "PlanStageRecord",
     "TopKHeader",
@@ -32,6 +37,7 @@ __all__ = [
 MAX_RECORD_BYTES = 2048
 PEER_STATES = ("joining", "idle", "training", "leaving")
 _MAX_LIST = 16
+_MAX_STRS = 64  # a list of strings: multiaddrs, the consumer nodes of an OpData
 _MAX_INTS = 128  # node ranges of a plan stage; a tensor shape
 _MAX_STR = 256
 
@@ -45,6 +51,14 @@ def _check_field(name: str, value: Any, annotation: Any) -> Any:
         if not isinstance(value, str) or len(value) > _MAX_STR:
             raise RecordError(f"field {name!r} must be a string of <= {_MAX_STR} chars, got {value!r:.80}")
         return value
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise RecordError(f"field {name!r} must be a boolean, got {value!r:.80}")
+        return value
+    if annotation is bytes:
+        if not isinstance(value, bytes) or len(value) > MAX_RECORD_BYTES:
+            raise RecordError(f"field {name!r} must be bytes of <= {MAX_RECORD_BYTES}, got {value!r:.80}")
+        return value
     if annotation is int:
         if not isinstance(value, int) or isinstance(value, bool):
             raise RecordError(f"field {name!r} must be an integer, got {value!r:.80}")
@@ -55,7 +69,7 @@ def _check_field(name: str, value: Any, annotation: Any) -> Any:
         return float(value)
     if origin is tuple:
         item_type = annotation.__args__[0]
-        limit = _MAX_LIST if item_type is str else _MAX_INTS
+        limit = _MAX_STRS if item_type is str else _MAX_INTS
         if not isinstance(value, (list, tuple)) or len(value) > limit:
             raise RecordError(f"field {name!r} must be a list of <= {limit} items, got {value!r:.80}")
         return tuple(_check_field(f"{name}[]", item, item_type) for item in value)
@@ -272,12 +286,85 @@ class TopKHeader(_WireRecord):
             )
 
 
+OPDATA_DIRECTIONS = ("forward", "backward")
+OPDATA_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "bool", "uint8", "int8")
+
+
+@dataclass(frozen=True)
+class OpData(_WireRecord):
+    """The header of one tensor crossing from one sub-DAG to another (FusionLLM §3.4).
+
+    Forward: the output of ``producer`` for ``consumers`` (nodes of the receiving stage).
+    Backward: the gradient of ``producer``'s output from ``consumers``' side. The tensor's
+    bytes follow the header in the same message; ``compression`` holds a ``TopKHeader``
+    when they are Top-K-compressed, and is empty for dense little-endian bytes.
+    """
+
+    KIND: ClassVar[str] = "opdata"
+
+    job: str  # the job (plan) this belongs to; other jobs' OpData is rejected
+    direction: str  # "forward" or "backward"
+    producer: str  # OP-DAG node whose output (or its gradient) this is
+    consumers: tuple[str, ...]  # OP-DAG nodes on the consuming side
+    requires_grad: bool  # forward: the receiver must send a gradient back
+    iteration: int
+    micro_batch: int
+    shape: tuple[int, ...]
+    dtype: str  # one of OPDATA_DTYPES
+    body_bytes: int  # length of the bytes that follow the header
+    compression: bytes = b""  # a TopKHeader on the wire, or empty
+    zero: bool = False  # backward: the gradient is all zeros and no body follows
+    src_stage: int = 0
+    dst_stage: int = 0
+
+    def __post_init__(self) -> None:
+        if self.direction not in OPDATA_DIRECTIONS:
+            raise RecordError(f"OpData.direction must be one of {OPDATA_DIRECTIONS}, got {self.direction!r}")
+        if self.dtype not in OPDATA_DTYPES:
+            raise RecordError(f"OpData.dtype must be one of {OPDATA_DTYPES}, got {self.dtype!r}")
+        if not self.producer or not self.consumers:
+            raise RecordError("OpData needs a producer and at least one consumer")
+        if min(self.iteration, self.micro_batch, self.body_bytes, self.src_stage, self.dst_stage) < 0:
+            raise RecordError("OpData iteration, micro_batch, body_bytes and stages must be >= 0")
+        if any(d < 0 for d in self.shape):
+            raise RecordError(f"OpData.shape has a negative dimension: {self.shape}")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+EXEC_COMMANDS = ("setup", "weights", "step", "fetch", "ping")
+
+
+@dataclass(frozen=True)
+class ExecControl(_WireRecord):
+    """A control message to an executor; its body (JSON or safetensors) follows it."""
+
+    KIND: ClassVar[str] = "exec_control"
+
+    command: str  # one of EXEC_COMMANDS
+    job: str
+    iteration: int = 0
+    n_micro_batches: int = 0
+    what: str = ""  # fetch: "params" or "grads"
+    body_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.command not in EXEC_COMMANDS:
+            raise RecordError(f"ExecControl.command must be one of {EXEC_COMMANDS}, got {self.command!r}")
+        if min(self.iteration, self.n_micro_batches, self.body_bytes) < 0:
+            raise RecordError("ExecControl counters must be >= 0")
+
+
 _KINDS: dict[str, type[_WireRecord]] = {
-    cls.KIND: cls for cls in (PeerRecord, LinkRecord, PlanStageRecord, TopKHeader)
+    cls.KIND: cls for cls in (PeerRecord, LinkRecord, PlanStageRecord, TopKHeader, OpData, ExecControl)
 }
 
 
-def decode_record(data: bytes) -> PeerRecord | LinkRecord | PlanStageRecord | TopKHeader:
+def decode_record(
+    data: bytes,
+) -> PeerRecord | LinkRecord | PlanStageRecord | TopKHeader | OpData | ExecControl:
     """Decodes any known record by its ``kind`` field.
 
     Raises:

@@ -18,11 +18,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import raise_if_failed, read_pbmsg_safe, write_pbmsg
 from hivemind.proto import p2pd_pb2
+from hivemind.utils.multiaddr import Multiaddr
 
 from fusionp2p.errors import PeerUnreachableError
 from fusionp2p.net.framing import FRAME_VERSION, HEADER, FrameKind, read_frame, write_frame
@@ -141,6 +142,16 @@ class Transport(abc.ABC):
     async def serve(self, protocol: str, handler: StreamHandler) -> None:
         """Calls ``handler`` with each incoming stream of ``protocol`` (closed afterwards)."""
 
+    async def connect(self, peer_id: str, maddrs: Sequence[str], *, timeout: float) -> None:  # noqa: B027
+        """Dials ``peer_id`` at ``maddrs`` so that ``open`` can reach it (a no-op where not needed).
+
+        Raises:
+            PeerUnreachableError: the peer could not be dialled within ``timeout``.
+        """
+
+    async def stop_serving(self, protocol: str) -> None:  # noqa: B027 - optional hook
+        """Stops answering ``protocol`` (so another handler may serve it later)."""
+
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Stops serving; open streams are closed by their users."""
 
@@ -195,6 +206,13 @@ class P2PTransport(Transport):
             raise
         return reader, writer
 
+    async def connect(self, peer_id: str, maddrs: Sequence[str], *, timeout: float) -> None:
+        addrs = [Multiaddr(m.split("/p2p/")[0]) for m in maddrs]  # the daemon wants no /p2p/<id> part
+        try:
+            await asyncio.wait_for(self._p2p._client.connect(PeerID.from_base58(peer_id), addrs), timeout)
+        except Exception as e:
+            raise PeerUnreachableError(f"cannot dial {peer_id[:12]} at {list(maddrs)[:2]}: {e!r}") from e
+
     async def serve(self, protocol: str, handler: StreamHandler) -> None:
         async def on_stream(info, reader, writer) -> None:
             await _run_handler(handler, FrameStream(info.peer_id.to_base58(), reader, writer), protocol)
@@ -202,11 +220,15 @@ class P2PTransport(Transport):
         await self._p2p.add_binary_stream_handler(protocol, on_stream)
         self._protocols.append(protocol)
 
-    async def aclose(self) -> None:
-        for protocol in self._protocols:
+    async def stop_serving(self, protocol: str) -> None:
+        if protocol in self._protocols:
+            self._protocols.remove(protocol)
             with contextlib.suppress(Exception):
                 await self._p2p.remove_binary_stream_handler(protocol)
-        self._protocols.clear()
+
+    async def aclose(self) -> None:
+        for protocol in list(self._protocols):
+            await self.stop_serving(protocol)
 
 
 class RateLimitedTransport(Transport):
@@ -225,12 +247,18 @@ class RateLimitedTransport(Transport):
         stream._bucket = self.bucket
         return stream
 
+    async def connect(self, peer_id: str, maddrs: Sequence[str], *, timeout: float) -> None:
+        await self._inner.connect(peer_id, maddrs, timeout=timeout)
+
     async def serve(self, protocol: str, handler: StreamHandler) -> None:
         async def paced(stream: FrameStream) -> None:
             stream._bucket = self.bucket
             await handler(stream)
 
         await self._inner.serve(protocol, paced)
+
+    async def stop_serving(self, protocol: str) -> None:
+        await self._inner.stop_serving(protocol)
 
     async def aclose(self) -> None:
         await self._inner.aclose()
@@ -288,6 +316,9 @@ class MemoryTransport(Transport):
 
     async def serve(self, protocol: str, handler: StreamHandler) -> None:
         self._handlers[protocol] = handler
+
+    async def stop_serving(self, protocol: str) -> None:
+        self._handlers.pop(protocol, None)
 
     async def aclose(self) -> None:
         self._handlers.clear()

@@ -1,0 +1,278 @@
+"""Sub-DAG extraction: which stage runs each node of an exported program, and in what pieces.
+
+An assignment maps every operator node to a stage; it need not be contiguous (a stage may
+own blocks 0 and 2 while another owns block 1). ``partition`` normalizes it so that it
+can run exactly:
+
+- raw inputs stay with the data owner: the nodes that read a user input, and the integer
+  nodes computed from it, run on ``data_stage`` (token ids never leave it);
+- a parameter used by several nodes (GPT-2 ties the input embedding and the LM head)
+  keeps all its users on one stage, the stage of its first user, so its gradient is
+  complete on one peer;
+- only single tensors cross stages: a node that reads an element of a tuple-valued node
+  (``getitem``) runs with that node.
+
+Each stage's nodes are then cut into *segments*, the units of forward and backward: a
+node's wave is the number of stage changes on the longest path to it, and a segment is
+one stage's nodes of one wave. Every edge between segments goes to a higher wave, so the
+segments form a DAG even when the stages do not (A -> B -> A). A segment runs forward
+when all its inputs arrived and backward when the gradients of all its outputs did.
+The data owner adds two segments: the source (user inputs) and the loss (the graph's
+outputs, which only it sees).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fusionp2p.errors import ConfigError
+
+__all__ = ["LOSS", "Partition", "Segment", "ValueInfo", "op_node_names", "partition"]
+
+LOSS = "output"  # the graph's output node: the data owner's loss reads it
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    """The tensor a node produces, as the graph's metadata describes it."""
+
+    shape: tuple[int, ...]
+    dtype: str  # e.g. "float32", "int64"
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype in ("float32", "float16", "bfloat16", "float64")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One stage's nodes of one wave: run forward together, backward together."""
+
+    id: int
+    stage: int
+    wave: int
+    nodes: tuple[str, ...]  # graph nodes in graph order (user inputs for the source, LOSS for the loss)
+    inputs: tuple[str, ...]  # values it reads from other segments
+    outputs: tuple[str, ...]  # values it produces that other segments read
+    kind: str = "ops"  # "ops", "source" or "loss"
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A normalized assignment of an exported program to ``n_stages`` stages, in segments."""
+
+    n_stages: int
+    data_stage: int
+    stage_of: Mapping[str, int]  # every operator node, user input and LOSS
+    segments: tuple[Segment, ...]
+    segment_of: Mapping[str, int]  # node -> segment id
+    readers: Mapping[str, tuple[int, ...]]  # value -> ids of the other segments that read it
+    values: Mapping[str, ValueInfo]  # every value that crosses segments
+    reads: Mapping[str, tuple[str, ...]]  # node -> the values it reads (not parameters)
+    params: Mapping[int, tuple[str, ...]]  # stage -> state names (parameters, buffers, constants) it uses
+    moved: tuple[str, ...]  # what normalization changed, for logs
+    fingerprint: str  # of the traced graph: equal on every peer that traced the same model
+
+    def stage_segments(self, stage: int) -> tuple[Segment, ...]:
+        return tuple(s for s in self.segments if s.stage == stage)
+
+    def reader_nodes(self, value: str, stage: int) -> tuple[str, ...]:
+        """Nodes of ``stage`` (outside the producing segment) that read ``value``."""
+        names: list[str] = []
+        for seg_id in self.readers.get(value, ()):
+            seg = self.segments[seg_id]
+            if seg.stage == stage:
+                names.extend(n for n in seg.nodes if value in self.reads[n])
+        return tuple(names)
+
+
+def op_node_names(graph: torch.fx.Graph) -> list[str]:
+    """The operator nodes of an exported graph in order: what an assignment indexes."""
+    return [n.name for n in graph.nodes if n.op == "call_function"]
+
+
+def graph_fingerprint(graph: torch.fx.Graph) -> str:
+    digest = hashlib.sha256()
+    for node in graph.nodes:
+        digest.update(
+            f"{node.op}|{node.name}|{node.target}|{[a.name for a in node.all_input_nodes]};".encode()
+        )
+    return digest.hexdigest()[:16]
+
+
+def _value_info(node: torch.fx.Node) -> ValueInfo | None:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return ValueInfo(tuple(int(d) for d in val.shape), str(val.dtype).removeprefix("torch."))
+    return None
+
+
+def partition(
+    program: Any,
+    assignment: Mapping[str, int] | Sequence[int],
+    n_stages: int,
+    *,
+    data_stage: int = 0,
+) -> Partition:
+    """Normalizes ``assignment`` (node name -> stage, or one stage per operator node in
+    graph order) and cuts it into segments.
+
+    Raises:
+        ConfigError: a stage out of range, an assignment of the wrong length or naming
+            unknown nodes, or a graph this runtime cannot split (buffer mutation).
+    """
+    graph: torch.fx.Graph = program.graph
+    signature = program.graph_signature
+    if signature.buffers_to_mutate:
+        raise ConfigError(
+            f"models that mutate buffers cannot be split yet: {sorted(signature.buffers_to_mutate)}"
+        )
+    if not 0 <= data_stage < n_stages:
+        raise ConfigError(f"data_stage {data_stage} not in [0, {n_stages})")
+    ops = op_node_names(graph)
+    if isinstance(assignment, Mapping):
+        unknown = set(assignment) - set(ops)
+        if unknown:
+            raise ConfigError(f"assignment names nodes the graph does not have: {sorted(unknown)[:5]}")
+        missing = [n for n in ops if n not in assignment]
+        if missing:
+            raise ConfigError(f"assignment misses {len(missing)} nodes, e.g. {missing[:5]}")
+        stage_of = {n: int(assignment[n]) for n in ops}
+    else:
+        if len(assignment) != len(ops):
+            raise ConfigError(f"assignment has {len(assignment)} stages for {len(ops)} operator nodes")
+        stage_of = {n: int(s) for n, s in zip(ops, assignment, strict=True)}
+    bad = {s for s in stage_of.values() if not 0 <= s < n_stages}
+    if bad:
+        raise ConfigError(f"assignment uses stages {sorted(bad)} outside [0, {n_stages})")
+
+    nodes = {n.name: n for n in graph.nodes}
+    user_inputs = [n.name for n in graph.nodes if n.op == "placeholder" and n.name in signature.user_inputs]
+    state_of_placeholder = {
+        **signature.inputs_to_parameters,
+        **signature.inputs_to_buffers,
+        **getattr(signature, "inputs_to_lifted_tensor_constants", {}),
+    }
+    moved: list[str] = []
+
+    def move(name: str, stage: int, why: str) -> None:
+        if stage_of[name] != stage:
+            moved.append(f"{name}: stage {stage_of[name]} -> {stage} ({why})")
+            stage_of[name] = stage
+
+    # Raw inputs, and integer tensors computed from them, stay with the data owner.
+    raw = set(user_inputs)
+    for name in ops:
+        node = nodes[name]
+        if any(a.name in raw for a in node.all_input_nodes):
+            move(name, data_stage, "reads raw input")
+            info = _value_info(node)
+            if info is not None and not info.is_float:
+                raw.add(name)
+
+    def glue_tuples() -> None:
+        for name in ops:
+            node = nodes[name]
+            if node.target is operator.getitem:
+                move(name, stage_of[node.args[0].name], "element of a tuple")
+
+    glue_tuples()
+    for placeholder, target in state_of_placeholder.items():
+        users = [u.name for u in nodes[placeholder].users if u.op == "call_function"]
+        if len({stage_of[u] for u in users}) > 1:
+            for u in users:
+                move(u, stage_of[users[0]], f"shares {target}")
+    glue_tuples()
+
+    for name in user_inputs:
+        stage_of[name] = data_stage
+    stage_of[LOSS] = data_stage
+
+    reads: dict[str, tuple[str, ...]] = {}
+    values: dict[str, ValueInfo] = {}
+    for node in graph.nodes:
+        if node.op in ("call_function", "output"):
+            reads[node.name] = tuple(
+                dict.fromkeys(a.name for a in node.all_input_nodes if a.name not in state_of_placeholder)
+            )
+    # Every value that crosses stages must be one tensor.
+    for name, srcs in reads.items():
+        for src in srcs:
+            if stage_of[src] != stage_of[name]:
+                info = _value_info(nodes[src])
+                if info is None:
+                    raise ConfigError(f"{src!r} -> {name!r} crosses stages but is not one tensor")
+
+    wave: dict[str, int] = {n: 0 for n in user_inputs}
+    for node in graph.nodes:
+        if node.op == "call_function":
+            wave[node.name] = max(
+                (wave[s] + (stage_of[s] != stage_of[node.name]) for s in reads[node.name]), default=0
+            )
+    wave[LOSS] = 1 + max((wave[s] for s in reads[LOSS]), default=0)
+
+    keys: dict[tuple[str, int, int], list[str]] = {("source", data_stage, -1): list(user_inputs)}
+    for name in ops:
+        keys.setdefault(("ops", stage_of[name], wave[name]), []).append(name)
+    ordered = sorted(keys, key=lambda k: (k[2], k[1]))
+    ordered.append(("loss", data_stage, wave[LOSS]))
+    keys[ordered[-1]] = [LOSS]
+    segment_of = {n: i for i, key in enumerate(ordered) for n in keys[key]}
+
+    seg_inputs: list[list[str]] = [[] for _ in ordered]
+    seg_outputs: list[list[str]] = [[] for _ in ordered]
+    readers: dict[str, list[int]] = {}
+    for name, srcs in reads.items():
+        for src in srcs:
+            a, b = segment_of[src], segment_of[name]
+            if a == b:
+                continue
+            if src not in seg_inputs[b]:
+                seg_inputs[b].append(src)
+            if src not in seg_outputs[a]:
+                seg_outputs[a].append(src)
+            if b not in readers.setdefault(src, []):
+                readers[src].append(b)
+            info = _value_info(nodes[src])
+            assert info is not None or stage_of[src] == stage_of[name]
+            if info is not None:
+                values[src] = info
+    segments = tuple(
+        Segment(
+            i,
+            key[1],
+            max(key[2], 0),
+            tuple(keys[key]),
+            tuple(seg_inputs[i]),
+            tuple(seg_outputs[i]),
+            key[0],
+        )
+        for i, key in enumerate(ordered)
+    )
+    params: dict[int, list[str]] = {s: [] for s in range(n_stages)}
+    for placeholder, target in state_of_placeholder.items():
+        for stage in dict.fromkeys(
+            stage_of[u.name] for u in nodes[placeholder].users if u.op == "call_function"
+        ):
+            params[stage].append(target)
+    return Partition(
+        n_stages=n_stages,
+        data_stage=data_stage,
+        stage_of=stage_of,
+        segments=segments,
+        segment_of=segment_of,
+        readers={k: tuple(v) for k, v in readers.items()},
+        values=values,
+        reads=reads,
+        params={k: tuple(v) for k, v in params.items()},
+        moved=tuple(moved),
+        fingerprint=graph_fingerprint(graph),
+    )

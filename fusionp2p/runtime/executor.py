@@ -1,0 +1,75 @@
+"""The framework-neutral executor interface: OpData in, OpData out, ``step()``, state.
+
+An executor owns one stage's sub-DAG of a job. The service that feeds it (``service.py``)
+knows only this interface, so another engine (JAX, a compiled runtime) can implement it
+without touching the scheduler or the transport. Tensors cross this boundary as bytes
+(the OpData body) and state as safetensors bytes, a format every framework reads.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+from fusionp2p.records import OpData
+
+__all__ = ["Executor", "Message"]
+
+
+@dataclass(frozen=True)
+class Message:
+    """One OpData header and its tensor bytes, addressed by ``header.dst_stage``."""
+
+    header: OpData
+    body: bytes
+
+
+class Executor(abc.ABC):
+    """Runs one stage of a job: forward and backward per (iteration, micro-batch), then steps."""
+
+    stage: int
+    job: str
+    iteration: int
+
+    @abc.abstractmethod
+    def check(self, header: OpData) -> None:
+        """Cheap validation before the body is read.
+
+        Raises:
+            ProtocolError: wrong job, iteration, micro-batch, stage, producer, consumers,
+                shape, dtype or body size.
+        """
+
+    @abc.abstractmethod
+    def accept(self, header: OpData, body: bytes) -> list[Message]:
+        """Takes one OpData, runs what became ready, returns the OpData to send on.
+
+        Raises:
+            ProtocolError: the message is invalid or a duplicate; the executor's state is
+                unchanged.
+        """
+
+    @abc.abstractmethod
+    def ready_to_step(self, iteration: int, n_micro_batches: int) -> bool:
+        """Whether backward finished here for every micro-batch of ``iteration``."""
+
+    @abc.abstractmethod
+    def step(self, iteration: int) -> None:
+        """Applies the optimizer to this stage's parameters and moves to the next iteration."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> bytes:
+        """This stage's parameters as safetensors bytes."""
+
+    @abc.abstractmethod
+    def grads(self) -> bytes:
+        """The gradients accumulated in this iteration, as safetensors bytes."""
+
+    @abc.abstractmethod
+    def load_state(self, data: bytes) -> None:
+        """Loads this stage's parameters from safetensors bytes.
+
+        Raises:
+            ProtocolError: a name this stage does not own, a wrong shape or dtype, or a
+                parameter missing.
+        """

@@ -1,0 +1,83 @@
+"""Tensors as OpData bodies: dense little-endian bytes, or Top-K-compressed (``compression``)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from fusionp2p.compression import wire
+from fusionp2p.errors import ProtocolError, RecordError
+from fusionp2p.records import OpData, TopKHeader
+
+__all__ = ["DTYPES", "body_bytes", "decode_body", "encode_body"]
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+}
+assert sys.byteorder == "little", "the OpData wire format is little-endian"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def itemsize(name: str) -> int:
+    return torch.empty((), dtype=DTYPES[name]).element_size()
+
+
+def body_bytes(header: OpData) -> int | None:
+    """The body length a dense header implies (None when compressed)."""
+    if header.zero:
+        return 0
+    if header.compression:
+        return None
+    return header.numel * itemsize(header.dtype)
+
+
+def encode_body(tensor: torch.Tensor, ratio: float = 1.0) -> tuple[bytes, bytes]:
+    """``(compression, body)`` for ``tensor``: Top-K at ``ratio`` for float tensors when > 1."""
+    tensor = tensor.detach().contiguous().cpu()
+    if ratio > 1 and tensor.dtype in (torch.float32, torch.float16, torch.bfloat16) and tensor.numel():
+        encoded = wire.encode(tensor, ratio)
+        return encoded.header.to_wire(), encoded.body
+    return b"", tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def decode_body(header: OpData, body: bytes) -> torch.Tensor:
+    """The tensor an OpData carries.
+
+    Raises:
+        ProtocolError: the body's length or its compression header disagrees with the header.
+    """
+    dtype = DTYPES[header.dtype]
+    if header.zero:
+        if body:
+            raise ProtocolError("a zero gradient carries no body")
+        return torch.zeros(header.shape, dtype=dtype)
+    if len(body) != header.body_bytes:
+        raise ProtocolError(f"body of {len(body)} bytes, header says {header.body_bytes}")
+    if header.compression:
+        try:
+            topk = TopKHeader.from_wire(header.compression)
+        except RecordError as e:
+            raise ProtocolError(f"bad compression header: {e}") from e
+        if topk.shape != header.shape or topk.dtype != header.dtype:
+            raise ProtocolError(
+                f"compression header says {topk.shape}/{topk.dtype}, OpData {header.shape}/{header.dtype}"
+            )
+        return wire.decode(topk, body, max_numel=header.numel)
+    expected = header.numel * itemsize(header.dtype)
+    if len(body) != expected:
+        raise ProtocolError(f"dense body of {len(body)} bytes, expected {expected} for {header.shape}")
+    if not expected:
+        return torch.zeros(header.shape, dtype=dtype)
+    return torch.frombuffer(bytearray(body), dtype=dtype).reshape(header.shape)

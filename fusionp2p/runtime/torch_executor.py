@@ -1,0 +1,461 @@
+"""The PyTorch executor: runs one stage's segments of an exported program with real autograd.
+
+Forward: when all inputs of a segment arrived (from other stages as OpData, or from this
+stage's earlier segments), its aten nodes run under autograd with the inputs as fresh
+leaves; outputs that other stages read leave as OpData, one per destination stage.
+Backward: when the gradients of all of a segment's outputs arrived (summed over the
+segments that read them), ``torch.autograd.backward`` fills the parameters' ``.grad`` and
+the input leaves' gradients go back to their producers. What backward needs is kept per
+(iteration, micro-batch) and freed after it. ``step`` applies the optimizer.
+
+The data owner's executor also holds the source (user inputs) and the loss segments: its
+``start`` injects a micro-batch's inputs and labels, and the loss never leaves it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from fusionp2p.config import OptimizerConfig
+from fusionp2p.errors import ProtocolError
+from fusionp2p.opdag.split import Partition, Segment
+from fusionp2p.records import OpData
+from fusionp2p.runtime.executor import Executor, Message
+from fusionp2p.runtime.tensor_wire import body_bytes, decode_body, dtype_name, encode_body
+
+__all__ = ["LossFn", "TorchExecutor", "classification_loss", "lm_loss"]
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[Sequence[torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+def lm_loss(outputs: Sequence[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of a causal LM's logits against ``labels`` (the input ids)."""
+    logits = outputs[0]
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
+    )
+
+
+def classification_loss(outputs: Sequence[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of class logits against integer labels."""
+    return torch.nn.functional.cross_entropy(outputs[0], labels)
+
+
+LOSSES: dict[str, LossFn] = {"lm": lm_loss, "classification": classification_loss}
+
+
+@dataclass
+class _MicroBatch:
+    """What one (iteration, micro-batch) keeps between its forward and its backward."""
+
+    received: dict[str, torch.Tensor] = field(default_factory=dict)  # from other stages
+    local: dict[str, torch.Tensor] = field(default_factory=dict)  # detached, from this stage's segments
+    requires_grad: dict[str, bool] = field(default_factory=dict)  # per value this stage saw
+    fwd_done: set[int] = field(default_factory=set)
+    bwd_done: set[int] = field(default_factory=set)
+    outputs: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # attached, until backward
+    leaves: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    grad_sum: dict[str, torch.Tensor] = field(default_factory=dict)
+    grad_count: dict[str, int] = field(default_factory=dict)
+    grad_seen: set[tuple[str, int]] = field(default_factory=set)  # (value, reader segment)
+    labels: torch.Tensor | None = None
+
+
+def _build_optimizer(
+    config: OptimizerConfig, params: list[torch.nn.Parameter]
+) -> torch.optim.Optimizer | None:
+    if not params:
+        return None
+    if config.name == "sgd":
+        return torch.optim.SGD(
+            params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+        )
+    return torch.optim.AdamW(
+        params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+    )
+
+
+class TorchExecutor(Executor):
+    """Executes stage ``stage`` of ``partition`` over ``program`` (a ``torch.export`` program)."""
+
+    def __init__(
+        self,
+        program: Any,
+        partition: Partition,
+        stage: int,
+        *,
+        job: str,
+        n_micro_batches: int,
+        optimizer: OptimizerConfig | None = None,
+        loss_fn: LossFn | None = None,
+        ratios: Mapping[int, float] | None = None,
+    ) -> None:
+        if not 0 <= stage < partition.n_stages:
+            raise ValueError(f"stage {stage} not in [0, {partition.n_stages})")
+        if n_micro_batches < 1:
+            raise ValueError("n_micro_batches must be >= 1")
+        self.stage = stage
+        self.job = job
+        self.iteration = 0
+        self.n_micro_batches = n_micro_batches
+        self.partition = partition
+        self.loss_fn = loss_fn if stage == partition.data_stage else None
+        self.ratios = dict(ratios or {})
+        self.losses: dict[int, float] = {}
+        self._nodes = {n.name: n for n in program.graph.nodes}
+        self._segments = partition.stage_segments(stage)
+        self._work_segments = [s.id for s in self._segments if s.kind != "source"]
+        signature = program.graph_signature
+        trainable = set(signature.inputs_to_parameters.values())
+        placeholders = {
+            **signature.inputs_to_parameters,
+            **signature.inputs_to_buffers,
+            **getattr(signature, "inputs_to_lifted_tensor_constants", {}),
+        }
+        mine = set(partition.params[stage])
+        self._state: dict[str, torch.Tensor] = {}
+        self.params: dict[str, torch.nn.Parameter] = {}
+        for target in mine:
+            source = program.state_dict.get(target)
+            if source is None:
+                source = program.constants[target]
+            tensor = source.detach().clone()
+            if target in trainable:
+                self.params[target] = torch.nn.Parameter(tensor)
+                self._state[target] = self.params[target]
+            else:
+                self._state[target] = tensor
+        self._placeholder_state = {p: t for p, t in placeholders.items() if t in mine}
+        self._optimizer_config = optimizer or OptimizerConfig()
+        self._optimizer = _build_optimizer(self._optimizer_config, list(self.params.values()))
+        self._mbs: dict[int, _MicroBatch] = {}
+
+    # ----------------------------------------------------------------- validation
+    def check(self, header: OpData) -> None:
+        p = self.partition
+        if header.job != self.job:
+            raise ProtocolError(f"OpData for job {header.job!r}, this executor runs {self.job!r}")
+        if header.iteration != self.iteration:
+            raise ProtocolError(f"OpData for iteration {header.iteration}, executor is at {self.iteration}")
+        if not 0 <= header.micro_batch < self.n_micro_batches:
+            raise ProtocolError(f"micro-batch {header.micro_batch} not in [0, {self.n_micro_batches})")
+        if (
+            header.dst_stage != self.stage
+            or not 0 <= header.src_stage < p.n_stages
+            or header.src_stage == self.stage
+        ):
+            raise ProtocolError(
+                f"OpData from stage {header.src_stage} to {header.dst_stage} reached stage {self.stage}"
+            )
+        info = p.values.get(header.producer)
+        if info is None:
+            raise ProtocolError(f"unknown producer {header.producer!r}")
+        if header.direction == "forward":
+            if p.stage_of[header.producer] != header.src_stage:
+                raise ProtocolError(f"{header.producer!r} is not produced on stage {header.src_stage}")
+            readers = set(p.reader_nodes(header.producer, self.stage))
+            if not readers or not set(header.consumers) <= readers:
+                raise ProtocolError(
+                    f"consumers {list(header.consumers)[:4]} of {header.producer!r} "
+                    f"are not on stage {self.stage}"
+                )
+            if header.requires_grad and not info.is_float:
+                raise ProtocolError(f"{header.producer!r} is {info.dtype} and cannot require grad")
+        else:
+            if p.stage_of[header.producer] != self.stage:
+                raise ProtocolError(
+                    f"gradient of {header.producer!r}, which stage {self.stage} does not produce"
+                )
+            if self._reader_segment(header.producer, header.src_stage, header.consumers) is None:
+                raise ProtocolError(
+                    f"no segment of stage {header.src_stage} reads {header.producer!r} "
+                    f"by {list(header.consumers)[:4]}"
+                )
+            if not info.is_float:
+                raise ProtocolError(f"gradient of {header.producer!r}, which is {info.dtype}")
+        if header.shape != info.shape or header.dtype != info.dtype:
+            raise ProtocolError(
+                f"{header.producer!r} is {info.shape}/{info.dtype}, OpData says {header.shape}/{header.dtype}"
+            )
+        expected = body_bytes(header)
+        if expected is not None and expected != header.body_bytes:
+            raise ProtocolError(
+                f"header declares {header.body_bytes} body bytes, {header.shape} needs {expected}"
+            )
+
+    def _reader_segment(self, value: str, stage: int, consumers: Sequence[str]) -> Segment | None:
+        for seg_id in self.partition.readers.get(value, ()):
+            seg = self.partition.segments[seg_id]
+            if seg.stage == stage and tuple(self._readers_in(seg, value)) == tuple(consumers):
+                return seg
+        return None
+
+    def _readers_in(self, seg: Segment, value: str) -> list[str]:
+        return [n for n in seg.nodes if value in self.partition.reads.get(n, ())]
+
+    # ----------------------------------------------------------------- data flow
+    def accept(self, header: OpData, body: bytes) -> list[Message]:
+        self.check(header)
+        tensor = decode_body(header, body)
+        mb = self._mbs.setdefault(header.micro_batch, _MicroBatch())
+        if header.direction == "forward":
+            if header.producer in mb.received:
+                raise ProtocolError(
+                    f"duplicate forward OpData for {header.producer!r}, micro-batch {header.micro_batch}"
+                )
+            mb.received[header.producer] = tensor
+            mb.requires_grad[header.producer] = header.requires_grad
+        else:
+            reader = self._reader_segment(header.producer, header.src_stage, header.consumers)
+            assert reader is not None  # check() found it
+            if not mb.requires_grad.get(header.producer, False):
+                raise ProtocolError(
+                    f"gradient of {header.producer!r}, which required none (or is not computed yet)"
+                )
+            if (header.producer, reader.id) in mb.grad_seen:
+                raise ProtocolError(f"duplicate gradient of {header.producer!r} from segment {reader.id}")
+            mb.grad_seen.add((header.producer, reader.id))
+            self._add_grad(mb, header.producer, tensor)
+        return self._advance(header.micro_batch)
+
+    def start(
+        self, iteration: int, micro_batch: int, inputs: Mapping[str, torch.Tensor], labels: torch.Tensor
+    ) -> list[Message]:
+        """The data owner injects one micro-batch (only on ``data_stage``)."""
+        if self.stage != self.partition.data_stage or self.loss_fn is None:
+            raise RuntimeError("only the data owner's executor (with a loss) takes inputs")
+        if iteration != self.iteration or not 0 <= micro_batch < self.n_micro_batches:
+            raise ValueError(f"cannot start ({iteration}, {micro_batch}) at iteration {self.iteration}")
+        source = next(s for s in self._segments if s.kind == "source")
+        if set(inputs) != set(source.nodes):
+            raise ValueError(f"inputs must be exactly {list(source.nodes)}, got {sorted(inputs)}")
+        mb = self._mbs.setdefault(micro_batch, _MicroBatch())
+        if source.id in mb.fwd_done:
+            raise ValueError(f"micro-batch {micro_batch} already started")
+        mb.labels = labels
+        out: list[Message] = []
+        for name, tensor in inputs.items():
+            mb.local[name] = tensor
+            mb.requires_grad[name] = False
+        mb.fwd_done.add(source.id)
+        out += self._send_forward(mb, micro_batch, source, {n: inputs[n] for n in source.outputs})
+        return out + self._advance(micro_batch)
+
+    def _available(self, mb: _MicroBatch, value: str) -> torch.Tensor | None:
+        if self.partition.stage_of[value] == self.stage:
+            return mb.local.get(value)
+        return mb.received.get(value)
+
+    def _advance(self, micro_batch: int) -> list[Message]:
+        """Runs every segment that became ready, forward and backward, until none is."""
+        mb = self._mbs[micro_batch]
+        out: list[Message] = []
+        progress = True
+        while progress:
+            progress = False
+            for seg in self._segments:
+                if seg.kind == "source":
+                    continue
+                if seg.id not in mb.fwd_done and all(self._available(mb, v) is not None for v in seg.inputs):
+                    out += self._forward(mb, micro_batch, seg)
+                    progress = True
+                if seg.id in mb.fwd_done and seg.id not in mb.bwd_done and self._grads_complete(mb, seg):
+                    out += self._backward(mb, micro_batch, seg)
+                    progress = True
+        return out
+
+    def _forward(self, mb: _MicroBatch, micro_batch: int, seg: Segment) -> list[Message]:
+        env: dict[str, Any] = {}
+        leaves: dict[str, torch.Tensor] = {}
+        for value in seg.inputs:
+            base = self._available(mb, value)
+            assert base is not None
+            leaf = base.detach()
+            if mb.requires_grad.get(value, False):
+                leaf.requires_grad_(True)
+            leaves[value] = env[value] = leaf
+        mb.fwd_done.add(seg.id)
+        if seg.kind == "loss":
+            return self._loss(mb, micro_batch, seg, leaves)
+        with torch.enable_grad():
+            for name in seg.nodes:
+                node = self._nodes[name]
+                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: self._lookup(env, a))
+                env[name] = node.target(*args, **kwargs)
+        outputs = {v: env[v] for v in seg.outputs}
+        mb.leaves[seg.id] = leaves
+        mb.outputs[seg.id] = outputs
+        for value, tensor in outputs.items():
+            mb.local[value] = tensor.detach()
+            mb.requires_grad[value] = bool(tensor.requires_grad)
+        return self._send_forward(mb, micro_batch, seg, outputs)
+
+    def _lookup(self, env: dict[str, Any], node: torch.fx.Node) -> Any:
+        if node.name in env:
+            return env[node.name]
+        return self._state[self._placeholder_state[node.name]]
+
+    def _send_forward(
+        self, mb: _MicroBatch, micro_batch: int, seg: Segment, outputs: Mapping[str, torch.Tensor]
+    ) -> list[Message]:
+        out = []
+        for value, tensor in outputs.items():
+            stages = dict.fromkeys(
+                self.partition.segments[r].stage
+                for r in self.partition.readers.get(value, ())
+                if self.partition.segments[r].stage != self.stage
+            )
+            for dst in stages:
+                compression, body = encode_body(tensor, self.ratios.get(dst, 1.0))
+                header = OpData(
+                    job=self.job,
+                    direction="forward",
+                    producer=value,
+                    consumers=self.partition.reader_nodes(value, dst),
+                    requires_grad=bool(tensor.requires_grad),
+                    iteration=self.iteration,
+                    micro_batch=micro_batch,
+                    shape=tuple(tensor.shape),
+                    dtype=dtype_name(tensor.dtype),
+                    body_bytes=len(body),
+                    compression=compression,
+                    src_stage=self.stage,
+                    dst_stage=dst,
+                )
+                out.append(Message(header, body))
+        return out
+
+    def _loss(
+        self, mb: _MicroBatch, micro_batch: int, seg: Segment, leaves: dict[str, torch.Tensor]
+    ) -> list[Message]:
+        assert self.loss_fn is not None and mb.labels is not None
+        output_node = self._nodes[seg.nodes[0]]
+        outputs = [self._lookup(leaves, a) for a in output_node.all_input_nodes]
+        with torch.enable_grad():
+            loss = self.loss_fn(outputs, mb.labels)
+            self.losses[micro_batch] = float(loss.detach())
+            if loss.requires_grad:
+                (loss / self.n_micro_batches).backward()
+        mb.bwd_done.add(seg.id)
+        return self._send_input_grads(mb, micro_batch, seg, leaves)
+
+    def _grads_complete(self, mb: _MicroBatch, seg: Segment) -> bool:
+        return all(
+            mb.grad_count.get(v, 0) == len(self.partition.readers[v])
+            for v in seg.outputs
+            if mb.requires_grad.get(v, False)
+        )
+
+    def _add_grad(self, mb: _MicroBatch, value: str, grad: torch.Tensor) -> None:
+        if value in mb.grad_sum:
+            mb.grad_sum[value] = mb.grad_sum[value] + grad
+        else:
+            mb.grad_sum[value] = grad
+        mb.grad_count[value] = mb.grad_count.get(value, 0) + 1
+
+    def _backward(self, mb: _MicroBatch, micro_batch: int, seg: Segment) -> list[Message]:
+        outputs = mb.outputs.pop(seg.id)
+        pairs = [
+            (t, mb.grad_sum.pop(v)) for v, t in outputs.items() if mb.requires_grad.get(v) and t.requires_grad
+        ]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g.to(t.dtype) for t, g in pairs])
+        mb.bwd_done.add(seg.id)
+        return self._send_input_grads(mb, micro_batch, seg, mb.leaves.pop(seg.id))
+
+    def _send_input_grads(
+        self, mb: _MicroBatch, micro_batch: int, seg: Segment, leaves: Mapping[str, torch.Tensor]
+    ) -> list[Message]:
+        out = []
+        for value, leaf in leaves.items():
+            if not leaf.requires_grad:
+                continue
+            grad = leaf.grad
+            src = self.partition.stage_of[value]
+            if src == self.stage:
+                self._add_grad(mb, value, grad if grad is not None else torch.zeros_like(leaf))
+                continue
+            compression, body = (b"", b"") if grad is None else encode_body(grad, self.ratios.get(src, 1.0))
+            out.append(
+                Message(
+                    OpData(
+                        job=self.job,
+                        direction="backward",
+                        producer=value,
+                        consumers=tuple(self._readers_in(seg, value)),
+                        requires_grad=False,
+                        iteration=self.iteration,
+                        micro_batch=micro_batch,
+                        shape=tuple(leaf.shape),
+                        dtype=dtype_name(leaf.dtype),
+                        body_bytes=len(body),
+                        compression=compression,
+                        zero=grad is None,
+                        src_stage=self.stage,
+                        dst_stage=src,
+                    ),
+                    body,
+                )
+            )
+        return out
+
+    # ----------------------------------------------------------------- optimizer and state
+    def ready_to_step(self, iteration: int, n_micro_batches: int) -> bool:
+        if iteration != self.iteration:
+            return False
+        for i in range(n_micro_batches):
+            mb = self._mbs.get(i)
+            done = mb.bwd_done if mb is not None else set()
+            if any(s not in done for s in self._work_segments):
+                return False
+        return True
+
+    def step(self, iteration: int) -> None:
+        if iteration != self.iteration:
+            raise ProtocolError(f"step for iteration {iteration}, executor is at {self.iteration}")
+        if self._optimizer is not None:
+            self._optimizer.step()
+            self._optimizer.zero_grad(set_to_none=True)
+        self.iteration += 1
+        self._mbs.clear()
+        self.losses.clear()
+
+    def state_dict(self) -> bytes:
+        return safetensors.torch.save({k: v.detach().contiguous() for k, v in self.params.items()})
+
+    def grads(self) -> bytes:
+        return safetensors.torch.save(
+            {
+                k: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().contiguous()
+                for k, p in self.params.items()
+            }
+        )
+
+    def load_state(self, data: bytes) -> None:
+        try:
+            tensors = safetensors.torch.load(data)
+        except Exception as e:
+            raise ProtocolError(f"weights are not valid safetensors: {e}") from e
+        unknown = set(tensors) - set(self.params)
+        missing = set(self.params) - set(tensors)
+        if unknown or missing:
+            raise ProtocolError(
+                f"weights of stage {self.stage}: unknown {sorted(unknown)[:3]}, missing {sorted(missing)[:3]}"
+            )
+        for name, tensor in tensors.items():
+            param = self.params[name]
+            if tensor.shape != param.shape or tensor.dtype != param.dtype:
+                raise ProtocolError(
+                    f"weight {name}: {tuple(tensor.shape)}/{tensor.dtype}, expected {tuple(param.shape)}"
+                )
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                self.params[name].copy_(tensor)

@@ -1,0 +1,284 @@
+"""Exact remote autodiff: a model split over real `fusionp2p peer` processes on loopback.
+
+The data owner (this test process, stage 0: raw inputs, labels, loss) drives three
+micro-batches per iteration through stages run by other OS processes over libp2p
+streams. Losses, every parameter's gradient and the parameters after two AdamW steps
+must equal the monolithic model's (float32).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hivemind.p2p import P2P
+
+from fusionp2p.config import OptimizerConfig
+from fusionp2p.launch import LocalSwarm
+from fusionp2p.net.framing import FrameKind
+from fusionp2p.net.transport import P2PTransport
+from fusionp2p.opdag.spec import ModelSpec
+from fusionp2p.opdag.split import op_node_names
+from fusionp2p.opdag.trace import trace_module
+from fusionp2p.records import OpData
+from fusionp2p.runtime.driver import PipelineDriver
+from fusionp2p.runtime.service import EXEC_PROTOCOL, pack_message, request
+from fusionp2p.runtime.torch_executor import LOSSES
+
+N_MB, BATCH, SEQ = 3, 2, 8
+# Some gradients are exactly zero in theory (GPT-2's key bias: softmax ignores a per-row
+# shift) and ~1e-10 of rounding noise in practice; AdamW divides by sqrt(v) + eps, so with
+# eps=1e-8 that noise becomes a step of any size up to lr. eps=1e-6 keeps it below lr/1000.
+OPT = OptimizerConfig(lr=1e-2, eps=1e-6, weight_decay=0.01)
+GPT2 = ModelSpec(
+    "gpt2",
+    {"n_layer": 4, "n_embd": 32, "n_head": 2, "vocab_size": 97, "n_positions": 32},
+    input_shape=(BATCH, SEQ),
+    seed=3,
+)
+LLAMA = ModelSpec(
+    "llama",
+    {
+        "num_hidden_layers": 4,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+        "vocab_size": 97,
+        "max_position_embeddings": 64,
+    },
+    input_shape=(BATCH, SEQ),
+    seed=4,
+)
+SKIPNET = ModelSpec(
+    "user_models:SkipNet", {"features": 12}, input_shape=(4, 12), input_dtype="float32", seed=5
+)
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
+    tests_dir = str(Path(__file__).parent)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH", "")]))}
+    args = [["--probe-period", "30"]] * 3
+    with LocalSwarm(
+        3, swarm="exec", workdir=str(tmp_path_factory.mktemp("exec")), peer_args=args, env=env
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def owner(swarm: LocalSwarm) -> Iterator[tuple[asyncio.AbstractEventLoop, P2PTransport]]:
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    p2p = loop.run_until_complete(
+        P2P.create(
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, initial_peers=swarm.initial_peers
+        )
+    )
+    yield loop, P2PTransport(p2p)
+    loop.run_until_complete(p2p.shutdown())
+    loop.close()
+
+
+def _assignment(spec: ModelSpec, n_stages: int, layout: str) -> list[int]:
+    """A stage per operator node: contiguous thirds, cuts inside blocks, or blocks round-robin."""
+    traced = trace_module(spec.build(), [spec.example_input()], strip_prefix=spec.strip_prefix)
+    ops = op_node_names(traced.program.graph)
+    n = len(ops)
+    if layout == "contiguous":
+        return [i * n_stages // n for i in range(n)]
+    if layout == "mid-block":  # cuts at 40% and 70%: inside blocks, so the residual stream crosses too
+        return [0 if i < 0.4 * n else 1 if i < 0.7 * n else 2 for i in range(n)]
+    return [(i * 2 * n_stages // n) % n_stages for i in range(n)]  # each stage owns two distant pieces
+
+
+def _batches(spec: ModelSpec, iteration: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + iteration)
+    if spec.input_dtype == "int64":
+        ids = [torch.randint(0, 97, spec.input_shape, generator=g) for _ in range(N_MB)]
+        return [(x, x) for x in ids]
+    return [
+        (torch.randn(spec.input_shape, generator=g), torch.randint(0, 5, spec.input_shape[:1], generator=g))
+        for _ in range(N_MB)
+    ]
+
+
+def _reference(spec: ModelSpec, loss: str, iterations: int):
+    """Losses, gradients and final parameters of the monolithic model, same data, same AdamW."""
+    model = spec.build()
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps, weight_decay=OPT.weight_decay
+    )
+    names = dict(model.named_parameters(remove_duplicate=False))
+    losses, grads = [], []
+    for it in range(iterations):
+        opt.zero_grad()
+        step_losses = []
+        for x, y in _batches(spec, it):
+            value = LOSSES[loss]([model(x)], y)
+            step_losses.append(value.item())
+            (value / N_MB).backward()
+        losses.append(step_losses)
+        grads.append({k: p.grad.clone() for k, p in names.items()})
+        opt.step()
+    n_params = sum(p.numel() for p in model.parameters())  # a tied parameter once
+    return losses, grads, {k: p.detach().clone() for k, p in names.items()}, n_params
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = 1e-7) -> None:
+    scale = want.abs().max().item() + 1e-8
+    err = (got - want).abs().max().item()
+    assert err <= 1e-5 * scale + atol, f"{what}: max error {err:.3g} (scale {scale:.3g})"
+
+
+def _run(owner, swarm: LocalSwarm, spec: ModelSpec, n_stages: int, layout: str, loss: str) -> PipelineDriver:
+    loop, transport = owner
+    peers = [(transport.peer_id, [])] + [(p.peer_id, p.multiaddrs) for p in swarm.peers[: n_stages - 1]]
+    ref_losses, ref_grads, ref_params, n_params = _reference(spec, loss, iterations=2)
+
+    async def main() -> PipelineDriver:
+        driver = await PipelineDriver.create(
+            transport,
+            spec,
+            _assignment(spec, n_stages, layout),
+            peers,
+            n_micro_batches=N_MB,
+            optimizer=OPT,
+            loss=loss,
+            timeout=60,
+        )
+        try:
+            for it in range(2):
+                losses = await driver.run_iteration(_batches(spec, it))
+                assert losses == pytest.approx(ref_losses[it], rel=1e-5, abs=1e-6)
+                grads = await driver.fetch("grads")
+                assert set(grads) <= set(ref_grads[it])
+                assert sum(t.numel() for t in grads.values()) == n_params
+                for name, grad in grads.items():
+                    _close(grad, ref_grads[it][name], f"iteration {it} grad of {name}")
+                await driver.step()
+            params = await driver.fetch("params")
+            for name, value in params.items():
+                _close(value, ref_params[name], f"parameter {name} after 2 steps", atol=1e-3 * OPT.lr)
+        finally:
+            await driver.aclose()
+        return driver
+
+    return loop.run_until_complete(main())
+
+
+@pytest.mark.parametrize(
+    ("spec", "n_stages", "layout"),
+    [
+        (GPT2, 2, "contiguous"),
+        (GPT2, 3, "mid-block"),
+        (GPT2, 4, "interleaved"),
+        (LLAMA, 2, "contiguous"),
+        (LLAMA, 3, "mid-block"),
+        (LLAMA, 4, "interleaved"),
+    ],
+    ids=lambda v: v.name if isinstance(v, ModelSpec) else str(v),
+)
+def test_split_causal_lm_is_exact(
+    owner, swarm: LocalSwarm, spec: ModelSpec, n_stages: int, layout: str
+) -> None:
+    driver = _run(owner, swarm, spec, n_stages, layout, "lm")
+    part = driver.partition
+    stages = {s.stage for s in part.segments if s.kind == "ops"}
+    assert stages == set(range(n_stages)), f"every stage must run nodes, got {stages}"
+    if layout == "mid-block":  # some segment reads two tensors from one other stage: a residual crosses
+        assert any(
+            sum(part.stage_of[v] == other for v in seg.inputs) >= 2
+            for seg in part.segments
+            for other in range(n_stages)
+            if other != seg.stage
+        )
+    if layout == "interleaved":  # a stage runs two segments with another stage's work in between
+        assert any(
+            len({s.wave for s in part.stage_segments(st) if s.kind == "ops"}) >= 2
+            for st in range(1, n_stages)
+        )
+    if spec.name == "gpt2":  # tied embedding / LM head: both users run on one stage
+        assert any("lm_head" in note for note in part.moved) or n_stages == 1
+
+
+def test_user_model_with_skip_connection_is_exact(owner, swarm: LocalSwarm) -> None:
+    driver = _run(owner, swarm, SKIPNET, 3, "contiguous", "classification")
+    crossing = {v for seg in driver.partition.segments for v in seg.inputs}
+    assert len(crossing) >= 3  # the long skip h0 crosses beside the main path
+
+
+def test_garbage_opdata_is_rejected_and_the_stage_keeps_serving(owner, swarm: LocalSwarm) -> None:
+    loop, transport = owner
+    spec = SKIPNET
+    peer = swarm.peers[0]
+
+    async def main() -> None:
+        driver = await PipelineDriver.create(
+            transport,
+            spec,
+            _assignment(spec, 2, "contiguous"),
+            [(transport.peer_id, []), (peer.peer_id, peer.multiaddrs)],
+            n_micro_batches=N_MB,
+            optimizer=OPT,
+            loss="classification",
+        )
+        try:
+            part = driver.partition
+            value = next(v for v in part.values if part.stage_of[v] == 0 and part.reader_nodes(v, 1))
+            info = driver.partition.values[value]
+            good = OpData(
+                job=driver.job,
+                direction="forward",
+                producer=value,
+                consumers=driver.partition.reader_nodes(value, 1),
+                requires_grad=True,
+                iteration=0,
+                micro_batch=0,
+                shape=info.shape,
+                dtype=info.dtype,
+                body_bytes=4 * int(torch.Size(info.shape).numel()),
+                src_stage=0,
+                dst_stage=1,
+            )
+            body = bytes(good.body_bytes)
+
+            bad = {
+                "wrong shape": dataclasses.replace(good, shape=(info.shape[0] + 1, *info.shape[1:])),
+                "wrong dtype": dataclasses.replace(good, dtype="float16", body_bytes=good.body_bytes // 2),
+                "wrong iteration": dataclasses.replace(good, iteration=7),
+                "wrong micro-batch": dataclasses.replace(good, micro_batch=N_MB),
+                "unknown producer": dataclasses.replace(good, producer="no_such_node"),
+                "wrong job": dataclasses.replace(good, job="another-job"),
+            }
+            stream = await transport.open(peer.peer_id, EXEC_PROTOCOL, timeout=10)
+            try:
+                for what, header in bad.items():
+                    size = header.body_bytes
+                    await stream.send(FrameKind.DATA, pack_message(header, bytes(size)), timeout=10)
+                    kind, reply = await stream.recv(max_payload=1 << 20, timeout=10)
+                    assert kind is FrameKind.ERROR, what
+                    assert reply, what
+                await stream.send(FrameKind.DATA, b"\x00\x05not-a-record", timeout=10)
+                kind, _ = await stream.recv(max_payload=1 << 20, timeout=10)
+                assert kind is FrameKind.ERROR
+                # the body disagrees with the header
+                await stream.send(FrameKind.DATA, pack_message(good, body)[:-4], timeout=10)
+                kind, _ = await stream.recv(max_payload=1 << 20, timeout=10)
+                assert kind is FrameKind.ERROR
+                kind, _ = await request(stream, dataclasses.replace(good, micro_batch=1), body, timeout=10)
+                assert kind is FrameKind.ACK  # a well-formed OpData on the same stream is still taken
+            finally:
+                await stream.close()
+        finally:
+            await driver.aclose()
+
+    loop.run_until_complete(main())
+    assert "protocol error: rejected" in peer.log()
+    # the stage still serves a whole exact job afterwards
+    _run(owner, swarm, SKIPNET, 2, "contiguous", "classification")
