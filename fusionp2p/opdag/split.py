@@ -108,6 +108,23 @@ def graph_fingerprint(graph: torch.fx.Graph) -> str:
     return digest.hexdigest()[:16]
 
 
+def _waves(
+    graph: torch.fx.Graph,
+    reads: Mapping[str, tuple[str, ...]],
+    stage_of: Mapping[str, int],
+    user_inputs: list[str],
+) -> dict[str, int]:
+    """Stage changes on the longest path to each node (the loss one wave after its inputs)."""
+    wave: dict[str, int] = dict.fromkeys(user_inputs, 0)
+    for node in graph.nodes:
+        if node.op == "call_function":
+            wave[node.name] = max(
+                (wave[s] + (stage_of[s] != stage_of[node.name]) for s in reads[node.name]), default=0
+            )
+    wave[LOSS] = 1 + max((wave[s] for s in reads[LOSS]), default=0)
+    return wave
+
+
 def _value_info(node: torch.fx.Node) -> ValueInfo | None:
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
@@ -184,25 +201,43 @@ def partition(
             if node.target is operator.getitem:
                 move(name, stage_of[node.args[0].name], "element of a tuple")
 
-    glue_tuples()
-    for placeholder, target in state_of_placeholder.items():
-        users = [u.name for u in nodes[placeholder].users if u.op == "call_function"]
-        if len({stage_of[u] for u in users}) > 1:
-            for u in users:
-                move(u, stage_of[users[0]], f"shares {target}")
-    glue_tuples()
-
     for name in user_inputs:
         stage_of[name] = data_stage
     stage_of[LOSS] = data_stage
-
     reads: dict[str, tuple[str, ...]] = {}
-    values: dict[str, ValueInfo] = {}
     for node in graph.nodes:
         if node.op in ("call_function", "output"):
             reads[node.name] = tuple(
                 dict.fromkeys(a.name for a in node.all_input_nodes if a.name not in state_of_placeholder)
             )
+
+    while True:
+        before = len(moved)
+        glue_tuples()
+        for placeholder, target in state_of_placeholder.items():
+            users = [u.name for u in nodes[placeholder].users if u.op == "call_function"]
+            stages = {stage_of[u] for u in users}
+            if len(stages) > 1:
+                home = data_stage if data_stage in stages else stage_of[users[0]]
+                for u in users:
+                    move(u, home, f"shares {target}")
+        glue_tuples()
+        wave = _waves(graph, reads, stage_of, user_inputs)
+        # A segment that reads nothing from other segments would wait for a trigger that
+        # never comes on another stage: such nodes (positions, masks) run on the data owner.
+        first_wave: dict[tuple[int, int], list[str]] = {}
+        for name in ops:
+            if stage_of[name] != data_stage:
+                first_wave.setdefault((stage_of[name], wave[name]), []).append(name)
+        for group in first_wave.values():
+            members = set(group)
+            if all(src in members for n in group for src in reads[n]):
+                for n in group:
+                    move(n, data_stage, "reads nothing from other stages")
+        if len(moved) == before:
+            break
+
+    values: dict[str, ValueInfo] = {}
     # Every value that crosses stages must be one tensor.
     for name, srcs in reads.items():
         for src in srcs:
@@ -210,14 +245,6 @@ def partition(
                 info = _value_info(nodes[src])
                 if info is None:
                     raise ConfigError(f"{src!r} -> {name!r} crosses stages but is not one tensor")
-
-    wave: dict[str, int] = {n: 0 for n in user_inputs}
-    for node in graph.nodes:
-        if node.op == "call_function":
-            wave[node.name] = max(
-                (wave[s] + (stage_of[s] != stage_of[node.name]) for s in reads[node.name]), default=0
-            )
-    wave[LOSS] = 1 + max((wave[s] for s in reads[LOSS]), default=0)
 
     keys: dict[tuple[str, int, int], list[str]] = {("source", data_stage, -1): list(user_inputs)}
     for name in ops:
