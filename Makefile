@@ -1,5 +1,5 @@
 # Two commands do all the set-up themselves on a fresh machine (Python 3.11, CPU only):
-#   make demo   a local swarm of peer processes forms, measures itself and prints its status
+#   make demo   a local swarm of peer processes trains a CNN on the digits, split across them
 #   make test   lint + the whole test suite
 # The venv is built on first use; constraints.txt keeps pip on the CPU build of torch.
 
@@ -16,11 +16,11 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/fusionp2p local --peers 3
+	$(VENV)/bin/python demos/digits_cnn.py
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check fusionp2p kernels tests benchmarks
-	$(VENV)/bin/ruff format --check fusionp2p kernels tests benchmarks
+	$(VENV)/bin/ruff check fusionp2p kernels tests benchmarks demos
+	$(VENV)/bin/ruff format --check fusionp2p kernels tests benchmarks demos
 	$(VENV)/bin/mypy fusionp2p
 
 test: lint

@@ -6,25 +6,46 @@
 
 In async code use ``async with Swarm(...) as swarm`` and ``await swarm.apeers()`` /
 ``await swarm.alinks()``. A Swarm runs a client-mode DHT node: it reads the swarm's
-records without serving as a full peer. Training will hang on this object later.
+records without serving as a full peer. ``swarm.pipeline(spec, ...)`` trains a model
+split over the swarm's peers, with this process as the data owner.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from fusionp2p.config import DEFAULT_SWARM
+import torch
+from hivemind.p2p import P2P
+
+from fusionp2p.config import DEFAULT_SWARM, OptimizerConfig
 from fusionp2p.errors import SwarmError
 from fusionp2p.net.dht_node import start_dht
 from fusionp2p.net.directory import SwarmDirectory
+from fusionp2p.net.transport import P2PTransport
+from fusionp2p.opdag.spec import ModelSpec
+from fusionp2p.opdag.split import Partition, balanced_assignment
+from fusionp2p.opdag.trace import trace_module
 from fusionp2p.records import LinkRecord, PeerRecord
+from fusionp2p.runtime.driver import PipelineDriver
 
-__all__ = ["Swarm"]
+__all__ = ["Pipeline", "Swarm"]
 
 T = TypeVar("T")
+
+
+async def _end_loop_tasks(p2p: P2P | None) -> None:
+    """Closes the libp2p handle and cancels what still runs on the loop, before it closes."""
+    if p2p is not None:
+        with contextlib.suppress(Exception):
+            await p2p.shutdown()
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class Swarm:
@@ -46,6 +67,7 @@ class Swarm:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._p2p: P2P | None = None  # this process's handle on the DHT's libp2p node, for streams
         try:
             asyncio.get_running_loop()
             self._dht = start_dht(initial_peers=self.initial_peers, client_mode=True)
@@ -108,6 +130,54 @@ class Swarm:
         """Measured links whose two ends are live peers, sorted by (src, dst)."""
         return self._run(self.alinks())
 
+    def pipeline(
+        self,
+        spec: ModelSpec,
+        *,
+        n_stages: int = 2,
+        assignment: Sequence[int] | None = None,
+        n_micro_batches: int = 1,
+        optimizer: OptimizerConfig | None = None,
+        loss: str = "lm",
+        ratios: dict[int, float] | None = None,
+        timeout: float = 120.0,
+    ) -> Pipeline:
+        """Splits ``spec``'s model into ``n_stages`` stages and sets it up on live peers.
+
+        Stage 0 runs here (it reads the raw inputs and computes the loss); stages 1.. go
+        to the fastest live peers (measured FLOP/s). Without ``assignment`` (a stage per
+        operator node) the stages get contiguous pieces of equal FLOPs.
+
+        Raises:
+            SwarmError: fewer live peers than ``n_stages - 1``.
+        """
+        peers = sorted(self.peers(), key=lambda p: -p.fp32_flops)[: n_stages - 1]
+        if len(peers) < n_stages - 1:
+            raise SwarmError(f"{n_stages} stages need {n_stages - 1} live peers, the swarm has {len(peers)}")
+        if assignment is None:
+            traced = trace_module(spec.build(), [spec.example_input()], strip_prefix=spec.strip_prefix)
+            assignment = balanced_assignment([n.fwd_flops for n in traced.dag.nodes], n_stages)
+
+        async def create() -> PipelineDriver:
+            self._p2p = self._p2p or await self._dht.replicate_p2p()
+            transport = P2PTransport(self._p2p)
+            stage_peers: list[tuple[str, Sequence[str]]] = [(transport.peer_id, [])] + [
+                (p.peer_id, list(p.maddrs)) for p in peers
+            ]
+            return await PipelineDriver.create(
+                transport,
+                spec,
+                assignment,
+                stage_peers,
+                n_micro_batches=n_micro_batches,
+                optimizer=optimizer,
+                loss=loss,
+                ratios=ratios,
+                timeout=timeout,
+            )
+
+        return Pipeline(self, self._run(create()), peers)
+
     @property
     def multiaddrs(self) -> list[str]:
         """Multiaddrs of live peers: what a new machine passes as ``--initial-peers``."""
@@ -117,6 +187,9 @@ class Swarm:
         """Leaves the DHT and stops this handle's background thread; idempotent."""
         if self._closed:
             return
+        if self._thread is not None and self._loop is not None:
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(_end_loop_tasks(self._p2p), self._loop).result(10)
         self._closed = True
         self._dht.shutdown()
         if self._loop is not None:
@@ -126,6 +199,47 @@ class Swarm:
             self._loop.close()
 
     def __enter__(self) -> Swarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Pipeline:
+    """A training job driven from this process (the data owner) over peers of a ``Swarm``.
+
+    Made by ``Swarm.pipeline``; every method blocks until the swarm answers. Inputs,
+    labels and the loss stay in this process.
+    """
+
+    def __init__(self, swarm: Swarm, driver: PipelineDriver, peers: list[PeerRecord]) -> None:
+        self._swarm = swarm
+        self.driver = driver
+        self.peers = peers  # the owners of stages 1.. (stage 0 is this process)
+
+    @property
+    def partition(self) -> Partition:
+        return self.driver.partition
+
+    def train_step(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """One iteration (one ``(inputs, labels)`` per micro-batch) and an optimizer step."""
+        return self._swarm._run(self.driver.train_step(batches))
+
+    def run_iteration(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+        """Forward and backward only; then ``fetch("grads")`` or ``step()``."""
+        return self._swarm._run(self.driver.run_iteration(batches))
+
+    def step(self) -> None:
+        self._swarm._run(self.driver.step())
+
+    def fetch(self, what: str = "params") -> dict[str, torch.Tensor]:
+        """All stages' parameters (``"params"``) or this iteration's gradients (``"grads"``)."""
+        return self._swarm._run(self.driver.fetch(what))
+
+    def close(self) -> None:
+        self._swarm._run(self.driver.aclose())
+
+    def __enter__(self) -> Pipeline:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -33,7 +33,7 @@ import torch
 
 from fusionp2p.errors import ConfigError
 
-__all__ = ["LOSS", "Partition", "Segment", "ValueInfo", "op_node_names", "partition"]
+__all__ = ["LOSS", "Partition", "Segment", "ValueInfo", "balanced_assignment", "op_node_names", "partition"]
 
 LOSS = "output"  # the graph's output node: the data owner's loss reads it
 
@@ -97,6 +97,22 @@ class Partition:
 def op_node_names(graph: torch.fx.Graph) -> list[str]:
     """The operator nodes of an exported graph in order: what an assignment indexes."""
     return [n.name for n in graph.nodes if n.op == "call_function"]
+
+
+def balanced_assignment(flops: Sequence[float], n_stages: int) -> list[int]:
+    """Contiguous stages of about equal forward FLOPs, one stage per operator node in order.
+
+    A simple default when no plan is given; OP-Fence (``fusionp2p.planning``) is the
+    scheduler that also weighs links and devices.
+    """
+    if n_stages < 1:
+        raise ConfigError(f"n_stages must be >= 1, got {n_stages}")
+    total = sum(flops) or 1.0
+    out, acc = [], 0.0
+    for f in flops:
+        out.append(min(n_stages - 1, int(n_stages * (acc + f / 2) / total)))
+        acc += f
+    return out
 
 
 def graph_fingerprint(graph: torch.fx.Graph) -> str:
