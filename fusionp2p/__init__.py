@@ -1,15 +1,17 @@
 """fusionp2p: decentralized training of one model over many peers (after FusionLLM).
 
 - ``errors.py``: the FusionP2PError tree.
-- ``config.py``: PeerConfig, ProbeConfig, Timeouts.
-- ``records.py``: PeerRecord, LinkRecord: versioned wire records for the DHT.
+- ``config.py``: PeerConfig, ProbeConfig, Timeouts, OptimizerConfig.
+- ``records.py``: versioned wire records: PeerRecord, LinkRecord, PlanStageRecord,
+  TopKHeader for the DHT and the wire; OpData and ExecControl for the exec protocol.
 - ``net/``: identity, DHT directory and validators, frame streams, transports, probes.
-- ``runtime/``: device profiling.
-- ``opdag/``: the OP-DAG IR and analytic transformer OP-DAGs.
+- ``runtime/``: device profiling; executors (remote autodiff), the exec protocol, the
+  data owner's pipeline driver.
+- ``opdag/``: the OP-DAG IR, analytic transformer OP-DAGs, tracing, model specs, splitting.
 - ``planning/``: cost model, estimators, clustering, OP-Fence, baselines, exact solver, Plan.
 - ``compression/``: Top-K selection, wire format, error feedback (CUDA kernels in ``kernels``).
 - ``peer.py``: the long-running Peer.
-- ``swarm.py``: the public Swarm facade.
+- ``swarm.py``: the public Swarm facade and its training Pipeline.
 - ``launch.py``: LocalSwarm, several peer processes on this machine.
 - ``viz.py``: a picture of a plan on the clustered bandwidth graph.
 - ``cli.py``: ``fusionp2p peer | status | plan | local``.
@@ -17,7 +19,7 @@
 
 __version__ = "0.1.0"
 
-from fusionp2p.config import DEFAULT_SWARM, PeerConfig, ProbeConfig, Timeouts
+from fusionp2p.config import DEFAULT_SWARM, OptimizerConfig, PeerConfig, ProbeConfig, Timeouts
 from fusionp2p.errors import (
     ConfigError,
     FusionP2PError,
@@ -34,9 +36,12 @@ __all__ = [
     "ConfigError",
     "FusionP2PError",
     "LinkRecord",
+    "ModelSpec",
+    "OptimizerConfig",
     "PeerConfig",
     "PeerRecord",
     "PeerUnreachableError",
+    "Pipeline",
     "ProbeConfig",
     "ProfileError",
     "ProtocolError",
@@ -49,9 +54,13 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    # Swarm pulls in hivemind and torch; import it only when asked for
-    if name == "Swarm":
-        from fusionp2p.swarm import Swarm
+    # these pull in hivemind and torch; import them only when asked for
+    if name in ("Swarm", "Pipeline"):
+        from fusionp2p import swarm
 
-        return Swarm
+        return getattr(swarm, name)
+    if name == "ModelSpec":
+        from fusionp2p.opdag.spec import ModelSpec
+
+        return ModelSpec
     raise AttributeError(f"module 'fusionp2p' has no attribute {name!r}")
