@@ -83,11 +83,14 @@ def test_random_assignments_are_exact(gpt2, seed: int) -> None:
     ops = op_node_names(gpt2.program.graph)
     assignment = [rng.randrange(n_stages) for _ in ops]
     batches = _lm_batches(seed)
-    part, _, losses, grads = _run_inprocess(GPT2, gpt2, assignment, n_stages, "lm", batches)
+    part, exes, losses, grads = _run_inprocess(GPT2, gpt2, assignment, n_stages, "lm", batches)
     ref_losses, ref_grads = _reference(GPT2, "lm", batches)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    for executor in exes:  # after backward nothing of the micro-batches is kept
+        for mb in executor._mbs.values():
+            assert not (mb.received or mb.local or mb.outputs or mb.leaves or mb.grad_sum)
     waves = [s.wave for s in part.segments]
     assert waves == sorted(waves)
     for seg in part.segments:  # every edge between segments goes to a later segment

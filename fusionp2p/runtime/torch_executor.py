@@ -66,6 +66,7 @@ class _MicroBatch:
     grad_sum: dict[str, torch.Tensor] = field(default_factory=dict)
     grad_count: dict[str, int] = field(default_factory=dict)
     grad_seen: set[tuple[str, int]] = field(default_factory=set)  # (value, reader segment)
+    forward_seen: set[str] = field(default_factory=set)  # producers whose forward OpData arrived
     labels: torch.Tensor | None = None
 
 
@@ -207,10 +208,11 @@ class TorchExecutor(Executor):
         tensor = decode_body(header, body)
         mb = self._mbs.setdefault(header.micro_batch, _MicroBatch())
         if header.direction == "forward":
-            if header.producer in mb.received:
+            if header.producer in mb.forward_seen:
                 raise ProtocolError(
                     f"duplicate forward OpData for {header.producer!r}, micro-batch {header.micro_batch}"
                 )
+            mb.forward_seen.add(header.producer)
             mb.received[header.producer] = tensor
             mb.requires_grad[header.producer] = header.requires_grad
         else:
@@ -270,6 +272,12 @@ class TorchExecutor(Executor):
                 if seg.id in mb.fwd_done and seg.id not in mb.bwd_done and self._grads_complete(mb, seg):
                     out += self._backward(mb, micro_batch, seg)
                     progress = True
+        if all(s in mb.bwd_done for s in self._work_segments):
+            # backward is done here: keep only the bookkeeping, free every tensor
+            mb.received.clear()
+            mb.local.clear()
+            mb.grad_sum.clear()
+            mb.labels = None
         return out
 
     def _forward(self, mb: _MicroBatch, micro_batch: int, seg: Segment) -> list[Message]:
