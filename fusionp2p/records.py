@@ -247,7 +247,7 @@ class PlanStageRecord(_WireRecord):
 
 
 TOPK_VALUE_DTYPES = ("float32", "float16", "bfloat16")
-TOPK_INDEX_FORMATS = ("dense", "int32", "delta16", "bitmap")
+TOPK_INDEX_FORMATS = ("dense", "int32", "delta16", "bitmap", "shared")
 
 
 @dataclass(frozen=True)
@@ -255,6 +255,8 @@ class TopKHeader(_WireRecord):
     """How a Top-K-compressed tensor's body is laid out (carried in OpData's compression metadata).
 
     body = index section (``index_bytes``) followed by the values (``k`` x value dtype).
+    ``shared``: no index section; the values sit at the indices of the forward message
+    this is the gradient of, which both ends already hold.
     """
 
     KIND: ClassVar[str] = "topk"

@@ -12,7 +12,9 @@ from fusionp2p.compression import (
     LinkCompressor,
     PayloadError,
     decode,
+    decode_at,
     encode,
+    encode_at,
     k_for_ratio,
     paper_bytes,
     topk_fast,
@@ -159,3 +161,37 @@ def test_link_compressor_uses_the_plans_ratio() -> None:
     act = link.activations(torch.randn(10_000))
     grad = link.gradient(("stage1", "h"), torch.randn(10_000))
     assert act.header.k == grad.header.k == 200
+
+
+def test_shared_index_gradient_is_the_exact_gradient_of_the_compressed_forward() -> None:
+    h = torch.randn(6, 40, requires_grad=True)
+    enc = encode(h.detach(), 10)
+    mask = torch.zeros(h.numel(), dtype=torch.bool)
+    mask[enc.indices] = True
+    sent = decode(enc.header, enc.body)
+    # autograd's gradient of a loss through "keep the top entries" is the masked gradient
+    weights = torch.randn(6, 40)
+    (h * mask.reshape(h.shape) * weights).sum().backward()
+    grad_at_receiver = weights  # d loss / d sent
+    back = encode_at(grad_at_receiver, enc.indices)
+    assert back.header.index_format == "shared" and back.header.index_bytes == 0
+    assert len(back.body) == 4 * enc.header.k  # values only: no index bytes on the way back
+    torch.testing.assert_close(decode_at(back.header, back.body, enc.indices), h.grad)
+    assert torch.equal(sent.reshape(-1)[enc.indices], h.detach().reshape(-1)[enc.indices])
+
+
+def test_shared_index_payload_errors() -> None:
+    grad = torch.randn(100)
+    idx = torch.tensor([3, 7, 50])
+    back = encode_at(grad, idx)
+    with pytest.raises(PayloadError, match="k=3"):
+        decode_at(back.header, back.body, torch.tensor([3, 7]))
+    with pytest.raises(PayloadError, match="k=3"):
+        decode_at(back.header, back.body[:-1], idx)
+    with pytest.raises(PayloadError, match="outside"):
+        decode_at(back.header, back.body, torch.tensor([3, 7, 100]))
+    with pytest.raises(PayloadError, match="decode_at"):
+        decode(back.header, back.body)
+    plain = encode(grad, 10)
+    with pytest.raises(PayloadError, match="shared"):
+        decode_at(plain.header, plain.body, plain.indices)

@@ -20,7 +20,17 @@ from fusionp2p.compression.topk import k_for_ratio, topk_indices
 from fusionp2p.errors import ProtocolError
 from fusionp2p.records import TopKHeader
 
-__all__ = ["DTYPES", "Encoded", "PayloadError", "decode", "encode", "paper_bytes"]
+__all__ = [
+    "DTYPES",
+    "Encoded",
+    "PayloadError",
+    "decode",
+    "decode_at",
+    "encode",
+    "encode_at",
+    "indices_of",
+    "paper_bytes",
+]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _NAMES = {v: k for k, v in DTYPES.items()}
@@ -117,6 +127,58 @@ def encode(tensor: torch.Tensor, ratio: float, *, value_dtype: str = "float32") 
     )
 
 
+def encode_at(grad: torch.Tensor, indices: torch.Tensor, *, value_dtype: str = "float32") -> Encoded:
+    """The gradient of a Top-K-compressed activation: its values at the forward's ``indices``.
+
+    The forward sent ``topk(h)``; the exact gradient of that with respect to ``h`` is the
+    incoming gradient masked to the kept positions, so only those k values go back, with
+    no index section (``index_format="shared"``): the sender of the forward kept them.
+    """
+    if grad.dtype not in _NAMES or value_dtype not in DTYPES:
+        raise TypeError(f"can only encode {sorted(DTYPES)} gradients, got {grad.dtype}/{value_dtype}")
+    values = grad.detach().reshape(-1).index_select(0, indices.to(grad.device)).to(DTYPES[value_dtype])
+    header = TopKHeader(
+        shape=tuple(grad.shape),
+        dtype=_NAMES[grad.dtype],
+        value_dtype=value_dtype,
+        index_format="shared",
+        numel=grad.numel(),
+        k=len(indices),
+        index_bytes=0,
+        ratio=grad.numel() / max(1, len(indices)),
+    )
+    return Encoded(header, _to_bytes(values), indices, values.to(grad.dtype))
+
+
+def indices_of(header: TopKHeader, body: bytes) -> torch.Tensor | None:
+    """The positions a (validated) sparse payload kept, int64 sorted; None when dense."""
+    if header.index_format in ("dense", "shared"):
+        return None
+    return torch.from_numpy(_decode_indices(header, body[: header.index_bytes]))
+
+
+def decode_at(header: TopKHeader, body: bytes, indices: torch.Tensor) -> torch.Tensor:
+    """The dense gradient from a ``shared`` payload and the indices the forward kept.
+
+    Raises:
+        PayloadError: not a shared payload, or its count or length disagrees with ``indices``.
+    """
+    if header.index_format != "shared" or header.index_bytes:
+        raise PayloadError(f"expected a shared-index payload, got {header.index_format}")
+    itemsize = torch.empty((), dtype=DTYPES[header.value_dtype]).element_size()
+    if header.k != len(indices) or len(body) != header.k * itemsize:
+        raise PayloadError(
+            f"shared payload of k={header.k} and {len(body)} bytes for {len(indices)} forward indices"
+        )
+    if len(indices) and (int(indices.max()) >= header.numel or int(indices.min()) < 0):
+        raise PayloadError("forward indices outside the tensor")
+    dense = torch.zeros(header.numel, dtype=DTYPES[header.dtype])
+    if header.k:
+        values = torch.frombuffer(bytearray(body), dtype=DTYPES[header.value_dtype])
+        dense.index_copy_(0, indices.cpu(), values.to(dense.dtype))
+    return dense.reshape(header.shape)
+
+
 def _to_bytes(values: torch.Tensor) -> bytes:
     return values.contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
@@ -155,6 +217,8 @@ def decode(
     """
     if header.numel > max_numel:
         raise PayloadError(f"payload claims {header.numel} elements > limit {max_numel}")
+    if header.index_format == "shared":
+        raise PayloadError("a shared-index payload needs the forward's indices (decode_at)")
     itemsize = torch.empty((), dtype=DTYPES[header.value_dtype]).element_size()
     expected_index = {
         "dense": 0,

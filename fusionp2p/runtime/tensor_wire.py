@@ -10,7 +10,7 @@ from fusionp2p.compression import wire
 from fusionp2p.errors import ProtocolError, RecordError
 from fusionp2p.records import OpData, TopKHeader
 
-__all__ = ["DTYPES", "body_bytes", "decode_body", "encode_body"]
+__all__ = ["DTYPES", "body_bytes", "decode_body", "encode_body", "encode_grad_at"]
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -43,26 +43,40 @@ def body_bytes(header: OpData) -> int | None:
     return header.numel * itemsize(header.dtype)
 
 
-def encode_body(tensor: torch.Tensor, ratio: float = 1.0) -> tuple[bytes, bytes]:
-    """``(compression, body)`` for ``tensor``: Top-K at ``ratio`` for float tensors when > 1."""
+def encode_body(tensor: torch.Tensor, ratio: float = 1.0) -> tuple[bytes, bytes, torch.Tensor | None]:
+    """``(compression, body, kept)`` for ``tensor``: Top-K at ``ratio`` for float tensors
+    when > 1; ``kept`` holds the positions sent when the body is sparse (else None)."""
     tensor = tensor.detach().contiguous().cpu()
     if ratio > 1 and tensor.dtype in (torch.float32, torch.float16, torch.bfloat16) and tensor.numel():
         encoded = wire.encode(tensor, ratio)
-        return encoded.header.to_wire(), encoded.body
-    return b"", tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        kept = encoded.indices if encoded.header.index_format != "dense" else None
+        return encoded.header.to_wire(), encoded.body, kept
+    return b"", tensor.reshape(-1).view(torch.uint8).numpy().tobytes(), None
 
 
-def decode_body(header: OpData, body: bytes) -> torch.Tensor:
-    """The tensor an OpData carries.
+def encode_grad_at(grad: torch.Tensor, kept: torch.Tensor) -> tuple[bytes, bytes]:
+    """``(compression, body)`` of the gradient of an activation that was sent sparse."""
+    encoded = wire.encode_at(grad.detach().contiguous().cpu(), kept)
+    return encoded.header.to_wire(), encoded.body
+
+
+def decode_body(
+    header: OpData, body: bytes, kept: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The tensor an OpData carries, and the positions it kept when it came sparse.
+
+    ``kept`` are the positions of the forward this is the gradient of, for a ``shared``
+    payload.
 
     Raises:
-        ProtocolError: the body's length or its compression header disagrees with the header.
+        ProtocolError: the body's length or its compression header disagrees with the
+            header, or a shared payload comes without (matching) forward positions.
     """
     dtype = DTYPES[header.dtype]
     if header.zero:
         if body:
             raise ProtocolError("a zero gradient carries no body")
-        return torch.zeros(header.shape, dtype=dtype)
+        return torch.zeros(header.shape, dtype=dtype), None
     if len(body) != header.body_bytes:
         raise ProtocolError(f"body of {len(body)} bytes, header says {header.body_bytes}")
     if header.compression:
@@ -74,10 +88,16 @@ def decode_body(header: OpData, body: bytes) -> torch.Tensor:
             raise ProtocolError(
                 f"compression header says {topk.shape}/{topk.dtype}, OpData {header.shape}/{header.dtype}"
             )
-        return wire.decode(topk, body, max_numel=header.numel)
+        if topk.index_format == "shared":
+            if kept is None:
+                raise ProtocolError(
+                    f"a shared-index gradient of {header.producer!r} that was not sent sparse"
+                )
+            return wire.decode_at(topk, body, kept), None
+        return wire.decode(topk, body, max_numel=header.numel), wire.indices_of(topk, body)
     expected = header.numel * itemsize(header.dtype)
     if len(body) != expected:
         raise ProtocolError(f"dense body of {len(body)} bytes, expected {expected} for {header.shape}")
     if not expected:
-        return torch.zeros(header.shape, dtype=dtype)
-    return torch.frombuffer(bytearray(body), dtype=dtype).reshape(header.shape)
+        return torch.zeros(header.shape, dtype=dtype), None
+    return torch.frombuffer(bytearray(body), dtype=dtype).reshape(header.shape), None

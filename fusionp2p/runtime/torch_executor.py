@@ -27,7 +27,7 @@ from fusionp2p.errors import ProtocolError
 from fusionp2p.opdag.split import Partition, Segment
 from fusionp2p.records import OpData
 from fusionp2p.runtime.executor import Executor, Message
-from fusionp2p.runtime.tensor_wire import body_bytes, decode_body, dtype_name, encode_body
+from fusionp2p.runtime.tensor_wire import body_bytes, decode_body, dtype_name, encode_body, encode_grad_at
 
 __all__ = ["LossFn", "TorchExecutor", "classification_loss", "lm_loss"]
 
@@ -67,6 +67,8 @@ class _MicroBatch:
     grad_count: dict[str, int] = field(default_factory=dict)
     grad_seen: set[tuple[str, int]] = field(default_factory=set)  # (value, reader segment)
     forward_seen: set[str] = field(default_factory=set)  # producers whose forward OpData arrived
+    sent_kept: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # (value, dst): sparse
+    received_kept: dict[str, torch.Tensor] = field(default_factory=dict)  # value: positions it came with
     labels: torch.Tensor | None = None
 
 
@@ -205,8 +207,8 @@ class TorchExecutor(Executor):
     # ----------------------------------------------------------------- data flow
     def accept(self, header: OpData, body: bytes) -> list[Message]:
         self.check(header)
-        tensor = decode_body(header, body)
         mb = self._mbs.setdefault(header.micro_batch, _MicroBatch())
+        tensor, kept = decode_body(header, body, mb.sent_kept.get((header.producer, header.src_stage)))
         if header.direction == "forward":
             if header.producer in mb.forward_seen:
                 raise ProtocolError(
@@ -214,6 +216,8 @@ class TorchExecutor(Executor):
                 )
             mb.forward_seen.add(header.producer)
             mb.received[header.producer] = tensor
+            if kept is not None:
+                mb.received_kept[header.producer] = kept
             mb.requires_grad[header.producer] = header.requires_grad
         else:
             reader = self._reader_segment(header.producer, header.src_stage, header.consumers)
@@ -275,6 +279,8 @@ class TorchExecutor(Executor):
         if all(s in mb.bwd_done for s in self._work_segments):
             # backward is done here: keep only the bookkeeping, free every tensor
             mb.received.clear()
+            mb.received_kept.clear()
+            mb.sent_kept.clear()
             mb.local.clear()
             mb.grad_sum.clear()
             mb.labels = None
@@ -322,7 +328,9 @@ class TorchExecutor(Executor):
                 if self.partition.segments[r].stage != self.stage
             )
             for dst in stages:
-                compression, body = encode_body(tensor, self.ratios.get(dst, 1.0))
+                compression, body, kept = encode_body(tensor, self.ratios.get(dst, 1.0))
+                if kept is not None and tensor.requires_grad:
+                    mb.sent_kept[value, dst] = kept
                 header = OpData(
                     job=self.job,
                     direction="forward",
@@ -391,7 +399,13 @@ class TorchExecutor(Executor):
             if src == self.stage:
                 self._add_grad(mb, value, grad if grad is not None else torch.zeros_like(leaf))
                 continue
-            compression, body = (b"", b"") if grad is None else encode_body(grad, self.ratios.get(src, 1.0))
+            kept = mb.received_kept.get(value)
+            if grad is None:
+                compression, body = b"", b""
+            elif kept is not None:  # it came sparse: its exact gradient lives on the kept positions
+                compression, body = encode_grad_at(grad, kept)
+            else:
+                compression, body, _ = encode_body(grad, self.ratios.get(src, 1.0))
             out.append(
                 Message(
                     OpData(
