@@ -331,23 +331,42 @@ class TorchExecutor(Executor):
                 compression, body, kept = encode_body(tensor, self.ratios.get(dst, 1.0))
                 if kept is not None and tensor.requires_grad:
                     mb.sent_kept[value, dst] = kept
-                header = OpData(
-                    job=self.job,
-                    direction="forward",
-                    producer=value,
-                    consumers=self.partition.reader_nodes(value, dst),
-                    requires_grad=bool(tensor.requires_grad),
-                    iteration=self.iteration,
-                    micro_batch=micro_batch,
-                    shape=tuple(tensor.shape),
-                    dtype=dtype_name(tensor.dtype),
-                    body_bytes=len(body),
-                    compression=compression,
-                    src_stage=self.stage,
-                    dst_stage=dst,
+                consumers = self.partition.reader_nodes(value, dst)
+                header = self._opdata(
+                    "forward", value, consumers, tensor, micro_batch, dst, compression, body
                 )
                 out.append(Message(header, body))
         return out
+
+    def _opdata(
+        self,
+        direction: str,
+        value: str,
+        consumers: Sequence[str],
+        like: torch.Tensor,
+        micro_batch: int,
+        dst: int,
+        compression: bytes,
+        body: bytes,
+        *,
+        zero: bool = False,
+    ) -> OpData:
+        return OpData(
+            job=self.job,
+            direction=direction,
+            producer=value,
+            consumers=tuple(consumers),
+            requires_grad=direction == "forward" and bool(like.requires_grad),
+            iteration=self.iteration,
+            micro_batch=micro_batch,
+            shape=tuple(like.shape),
+            dtype=dtype_name(like.dtype),
+            body_bytes=len(body),
+            compression=compression,
+            zero=zero,
+            src_stage=self.stage,
+            dst_stage=dst,
+        )
 
     def _loss(
         self, mb: _MicroBatch, micro_batch: int, seg: Segment, leaves: dict[str, torch.Tensor]
@@ -406,27 +425,11 @@ class TorchExecutor(Executor):
                 compression, body = encode_grad_at(grad, kept)
             else:
                 compression, body, _ = encode_body(grad, self.ratios.get(src, 1.0))
-            out.append(
-                Message(
-                    OpData(
-                        job=self.job,
-                        direction="backward",
-                        producer=value,
-                        consumers=tuple(self._readers_in(seg, value)),
-                        requires_grad=False,
-                        iteration=self.iteration,
-                        micro_batch=micro_batch,
-                        shape=tuple(leaf.shape),
-                        dtype=dtype_name(leaf.dtype),
-                        body_bytes=len(body),
-                        compression=compression,
-                        zero=grad is None,
-                        src_stage=self.stage,
-                        dst_stage=src,
-                    ),
-                    body,
-                )
+            consumers = self._readers_in(seg, value)
+            header = self._opdata(
+                "backward", value, consumers, leaf, micro_batch, src, compression, body, zero=grad is None
             )
+            out.append(Message(header, body))
         return out
 
     # ----------------------------------------------------------------- optimizer and state
