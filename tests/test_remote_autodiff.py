@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from hivemind.p2p import P2P
+from masked_reference import masked_reference
 
 from fusionp2p.config import OptimizerConfig
 from fusionp2p.launch import LocalSwarm
@@ -282,3 +283,41 @@ def test_garbage_opdata_is_rejected_and_the_stage_keeps_serving(owner, swarm: Lo
     assert "protocol error: rejected" in peer.log()
     # the stage still serves a whole exact job afterwards
     _run(owner, swarm, SKIPNET, 2, "contiguous", "classification")
+
+
+def test_topk_between_peer_processes_is_the_exact_gradient_of_the_compressed_model(owner, swarm) -> None:
+    """Top-K (ratio 8) on both directions of the link to a peer process: the losses and
+    gradients of the compressed model whose cut tensors are Top-K-masked."""
+    loop, transport = owner
+    spec = ModelSpec(
+        "user_models:SkipNet", {"hidden": 64}, input_shape=(8, 12), input_dtype="float32", seed=6
+    )
+    peer = swarm.peers[1]
+    g = torch.Generator().manual_seed(7)
+    batches = [(torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(N_MB)]
+
+    async def main():
+        driver = await PipelineDriver.create(
+            transport,
+            spec,
+            _assignment(spec, 2, "contiguous"),
+            [(transport.peer_id, []), (peer.peer_id, peer.multiaddrs)],
+            n_micro_batches=N_MB,
+            optimizer=OPT,
+            loss="classification",
+            ratios={0: 8.0, 1: 8.0},
+        )
+        try:
+            losses = await driver.run_iteration(batches)
+            return driver, losses, await driver.fetch("grads")
+        finally:
+            await driver.aclose()
+
+    driver, losses, grads = loop.run_until_complete(main())
+    ref_losses, ref_grads = masked_reference(
+        driver.traced.program, driver.partition, batches, 8.0, "classification"
+    )
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert set(grads) == set(ref_grads)
+    for name, grad in grads.items():
+        _close(grad, ref_grads[name], f"grad of {name} with Top-K on the link")

@@ -11,9 +11,9 @@ import random
 
 import pytest
 import torch
+from masked_reference import masked_reference
 from user_models import SkipNet
 
-from fusionp2p.compression import encode
 from fusionp2p.config import OptimizerConfig
 from fusionp2p.errors import ConfigError, ProtocolError, RecordError
 from fusionp2p.opdag.spec import ModelSpec
@@ -281,48 +281,10 @@ def test_topk_on_the_wire_gives_the_exact_gradient_of_the_compressed_forward() -
     part, _, losses, grads = _run_inprocess(
         spec, traced, assignment, 2, "classification", batches, ratios={0: 8.0, 1: 8.0}, sent=sent
     )
-    crossing = {
-        v for v in part.values if any(part.segments[r].stage != part.stage_of[v] for r in part.readers[v])
-    }
-    float_crossing = {v for v in crossing if part.values[v].is_float}
-    assert float_crossing
-    # the reference: the same graph in one piece; readers on another stage than a float
-    # tensor's producer see it masked to its top 1/8
-    program = traced.program
-    signature = program.graph_signature
-    params = {t: torch.nn.Parameter(program.state_dict[t].detach().clone()) for t in signature.parameters}
-    state = {p: params[t] for p, t in signature.inputs_to_parameters.items()}
-    ref_losses = []
-    for x, y in batches:
-        env: dict = {}
-        masked: dict = {}
-        for node in program.graph.nodes:
-            if node.op == "placeholder":
-                env[node.name] = state.get(node.name, x)
-            elif node.op == "call_function":
-                here = part.stage_of[node.name]
-
-                def read(a, env=env, masked=masked, here=here):
-                    far = a.name in masked and part.stage_of.get(a.name, here) != here
-                    return masked[a.name] if far else env[a.name]
-
-                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), read)
-                env[node.name] = node.target(*args, **kwargs)
-                if node.name in float_crossing:
-                    value = env[node.name]
-                    encoded = encode(value.detach(), 8.0)
-                    assert encoded.header.index_format != "dense"
-                    mask = torch.zeros(value.numel(), dtype=torch.bool)
-                    mask[encoded.indices] = True
-                    masked[node.name] = value * mask.reshape(value.shape)
-            elif node.op == "output":
-                logits = node.args[0][0].name
-                value = LOSSES["classification"]([masked.get(logits, env[logits])], y)
-                ref_losses.append(value.item())
-                (value / len(batches)).backward()
+    ref_losses, ref_grads = masked_reference(traced.program, part, batches, 8.0, "classification")
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, params[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
     forward = [m for m in sent if m.header.direction == "forward" and m.header.compression]
     backward = [m for m in sent if m.header.direction == "backward" and m.header.compression]
     assert forward and backward
