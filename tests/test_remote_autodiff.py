@@ -214,21 +214,27 @@ def test_user_model_with_skip_connection_is_exact(owner, swarm: LocalSwarm) -> N
     assert len(crossing) >= 3  # the long skip h0 crosses beside the main path
 
 
+async def _two_stage_classifier(transport, spec: ModelSpec, peer, ratios=None) -> PipelineDriver:
+    """Stage 0 here, stage 1 on ``peer``, split in the middle."""
+    return await PipelineDriver.create(
+        transport,
+        spec,
+        _assignment(spec, 2, "contiguous"),
+        [(transport.peer_id, []), (peer.peer_id, peer.multiaddrs)],
+        n_micro_batches=N_MB,
+        optimizer=OPT,
+        loss="classification",
+        ratios=ratios,
+    )
+
+
 def test_garbage_opdata_is_rejected_and_the_stage_keeps_serving(owner, swarm: LocalSwarm) -> None:
     loop, transport = owner
     spec = SKIPNET
     peer = swarm.peers[0]
 
     async def main() -> None:
-        driver = await PipelineDriver.create(
-            transport,
-            spec,
-            _assignment(spec, 2, "contiguous"),
-            [(transport.peer_id, []), (peer.peer_id, peer.multiaddrs)],
-            n_micro_batches=N_MB,
-            optimizer=OPT,
-            loss="classification",
-        )
+        driver = await _two_stage_classifier(transport, spec, peer)
         try:
             part = driver.partition
             value = next(v for v in part.values if part.stage_of[v] == 0 and part.reader_nodes(v, 1))
@@ -297,16 +303,7 @@ def test_topk_between_peer_processes_is_the_exact_gradient_of_the_compressed_mod
     batches = [(torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(N_MB)]
 
     async def main():
-        driver = await PipelineDriver.create(
-            transport,
-            spec,
-            _assignment(spec, 2, "contiguous"),
-            [(transport.peer_id, []), (peer.peer_id, peer.multiaddrs)],
-            n_micro_batches=N_MB,
-            optimizer=OPT,
-            loss="classification",
-            ratios={0: 8.0, 1: 8.0},
-        )
+        driver = await _two_stage_classifier(transport, spec, peer, ratios={0: 8.0, 1: 8.0})
         try:
             losses = await driver.run_iteration(batches)
             return driver, losses, await driver.fetch("grads")
