@@ -26,9 +26,9 @@ __all__ = [
     "PayloadError",
     "decode",
     "decode_at",
+    "decode_with_indices",
     "encode",
     "encode_at",
-    "indices_of",
     "paper_bytes",
 ]
 
@@ -150,13 +150,6 @@ def encode_at(grad: torch.Tensor, indices: torch.Tensor, *, value_dtype: str = "
     return Encoded(header, _to_bytes(values), indices, values.to(grad.dtype))
 
 
-def indices_of(header: TopKHeader, body: bytes) -> torch.Tensor | None:
-    """The positions a (validated) sparse payload kept, int64 sorted; None when dense."""
-    if header.index_format in ("dense", "shared"):
-        return None
-    return torch.from_numpy(_decode_indices(header, body[: header.index_bytes]))
-
-
 def decode_at(header: TopKHeader, body: bytes, indices: torch.Tensor) -> torch.Tensor:
     """The dense gradient from a ``shared`` payload and the indices the forward kept.
 
@@ -215,6 +208,13 @@ def decode(
         PayloadError: the body's length, the index count or range, or a size limit disagrees
             with the header; nothing is read or written out of bounds.
     """
+    return decode_with_indices(header, body, max_numel=max_numel, device=device)[0]
+
+
+def decode_with_indices(
+    header: TopKHeader, body: bytes, *, max_numel: int = _MAX_NUMEL, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``decode``, and the positions kept (int64, sorted; None for a dense payload)."""
     if header.numel > max_numel:
         raise PayloadError(f"payload claims {header.numel} elements > limit {max_numel}")
     if header.index_format == "shared":
@@ -240,8 +240,8 @@ def decode(
     values = torch.frombuffer(bytearray(body[header.index_bytes :]), dtype=DTYPES[header.value_dtype])
     out_dtype = DTYPES[header.dtype]
     if header.index_format == "dense":
-        return values.to(out_dtype).reshape(header.shape).to(device)
+        return values.to(out_dtype).reshape(header.shape).to(device), None
     idx = torch.from_numpy(_decode_indices(header, body[: header.index_bytes]))
     dense = torch.zeros(header.numel, dtype=out_dtype)
     dense.index_copy_(0, idx, values.to(out_dtype))
-    return dense.reshape(header.shape).to(device)
+    return dense.reshape(header.shape).to(device), idx

@@ -75,8 +75,8 @@ class Partition:
     segments: tuple[Segment, ...]
     segment_of: Mapping[str, int]  # node -> segment id
     readers: Mapping[str, tuple[int, ...]]  # value -> ids of the other segments that read it
+    reader_names: Mapping[tuple[str, int], tuple[str, ...]]  # (value, reader segment) -> its nodes reading it
     values: Mapping[str, ValueInfo]  # every value that crosses segments
-    reads: Mapping[str, tuple[str, ...]]  # node -> the values it reads (not parameters)
     params: Mapping[int, tuple[str, ...]]  # stage -> state names (parameters, buffers, constants) it uses
     moved: tuple[str, ...]  # what normalization changed, for logs
     fingerprint: str  # of the traced graph: equal on every peer that traced the same model
@@ -86,12 +86,12 @@ class Partition:
 
     def reader_nodes(self, value: str, stage: int) -> tuple[str, ...]:
         """Nodes of ``stage`` (outside the producing segment) that read ``value``."""
-        names: list[str] = []
-        for seg_id in self.readers.get(value, ()):
-            seg = self.segments[seg_id]
-            if seg.stage == stage:
-                names.extend(n for n in seg.nodes if value in self.reads[n])
-        return tuple(names)
+        return tuple(
+            name
+            for seg_id in self.readers.get(value, ())
+            if self.segments[seg_id].stage == stage
+            for name in self.reader_names[value, seg_id]
+        )
 
 
 def op_node_names(graph: torch.fx.Graph) -> list[str]:
@@ -313,8 +313,12 @@ def partition(
         segments=segments,
         segment_of=segment_of,
         readers={k: tuple(v) for k, v in readers.items()},
+        reader_names={
+            (value, seg_id): tuple(n for n in segments[seg_id].nodes if value in reads[n])
+            for value, seg_ids in readers.items()
+            for seg_id in seg_ids
+        },
         values=values,
-        reads=reads,
         params={k: tuple(v) for k, v in params.items()},
         moved=tuple(moved),
         fingerprint=graph_fingerprint(graph),

@@ -31,7 +31,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def itemsize(name: str) -> int:
-    return torch.empty((), dtype=DTYPES[name]).element_size()
+    return DTYPES[name].itemsize
 
 
 def body_bytes(header: OpData) -> int | None:
@@ -94,7 +94,7 @@ def decode_body(
                     f"a shared-index gradient of {header.producer!r} that was not sent sparse"
                 )
             return wire.decode_at(topk, body, kept), None
-        return wire.decode(topk, body, max_numel=header.numel), wire.indices_of(topk, body)
+        return wire.decode_with_indices(topk, body, max_numel=header.numel)
     expected = header.numel * itemsize(header.dtype)
     if len(body) != expected:
         raise ProtocolError(f"dense body of {len(body)} bytes, expected {expected} for {header.shape}")

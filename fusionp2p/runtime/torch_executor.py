@@ -197,12 +197,9 @@ class TorchExecutor(Executor):
     def _reader_segment(self, value: str, stage: int, consumers: Sequence[str]) -> Segment | None:
         for seg_id in self.partition.readers.get(value, ()):
             seg = self.partition.segments[seg_id]
-            if seg.stage == stage and tuple(self._readers_in(seg, value)) == tuple(consumers):
+            if seg.stage == stage and self.partition.reader_names[value, seg_id] == tuple(consumers):
                 return seg
         return None
-
-    def _readers_in(self, seg: Segment, value: str) -> list[str]:
-        return [n for n in seg.nodes if value in self.partition.reads.get(n, ())]
 
     # ----------------------------------------------------------------- data flow
     def accept(self, header: OpData, body: bytes) -> list[Message]:
@@ -425,7 +422,7 @@ class TorchExecutor(Executor):
                 compression, body = encode_grad_at(grad, kept)
             else:
                 compression, body, _ = encode_body(grad, self.ratios.get(src, 1.0))
-            consumers = self._readers_in(seg, value)
+            consumers = self.partition.reader_names[value, seg.id]
             header = self._opdata(
                 "backward", value, consumers, leaf, micro_batch, src, compression, body, zero=grad is None
             )
