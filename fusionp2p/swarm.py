@@ -27,8 +27,7 @@ from fusionp2p.net.dht_node import start_dht
 from fusionp2p.net.directory import SwarmDirectory
 from fusionp2p.net.transport import P2PTransport
 from fusionp2p.opdag.spec import ModelSpec
-from fusionp2p.opdag.split import Partition, balanced_assignment
-from fusionp2p.opdag.trace import trace_module
+from fusionp2p.opdag.split import Partition
 from fusionp2p.records import LinkRecord, PeerRecord
 from fusionp2p.runtime.driver import PipelineDriver
 
@@ -154,9 +153,6 @@ class Swarm:
         peers = sorted(self.peers(), key=lambda p: -p.fp32_flops)[: n_stages - 1]
         if len(peers) < n_stages - 1:
             raise SwarmError(f"{n_stages} stages need {n_stages - 1} live peers, the swarm has {len(peers)}")
-        if assignment is None:
-            traced = trace_module(spec.build(), [spec.example_input()], strip_prefix=spec.strip_prefix)
-            assignment = balanced_assignment([n.fwd_flops for n in traced.dag.nodes], n_stages)
 
         async def create() -> PipelineDriver:
             self._p2p = self._p2p or await self._dht.replicate_p2p()

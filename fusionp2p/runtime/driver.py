@@ -26,7 +26,7 @@ from fusionp2p.errors import ConfigError, ProtocolError
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.transport import FrameStream, Transport
 from fusionp2p.opdag.spec import ModelSpec
-from fusionp2p.opdag.split import Partition, op_node_names, partition
+from fusionp2p.opdag.split import Partition, balanced_assignment, op_node_names, partition
 from fusionp2p.opdag.trace import TracedModel, trace_module
 from fusionp2p.records import ExecControl
 from fusionp2p.runtime.service import EXEC_PROTOCOL, ExecutorService, JobSetup, request, unpack_message
@@ -74,7 +74,7 @@ class PipelineDriver:
         cls,
         transport: Transport,
         spec: ModelSpec,
-        assignment: Sequence[int] | Mapping[str, int],
+        assignment: Sequence[int] | Mapping[str, int] | None,
         peers: Sequence[tuple[str, Sequence[str]]],
         *,
         data_stage: int = 0,
@@ -88,7 +88,9 @@ class PipelineDriver:
         """Traces and splits the model, and sets up every stage.
 
         ``peers[s]`` is ``(peer id, multiaddrs)`` of stage ``s``'s owner; the data
-        stage's entry is this process (its peer id must be the transport's).
+        stage's entry is this process (its peer id must be the transport's). Without an
+        ``assignment`` (a stage per operator node) the stages get contiguous pieces of equal
+        forward FLOPs.
 
         Raises:
             ConfigError: a bad assignment, loss or peer list.
@@ -104,7 +106,10 @@ class PipelineDriver:
 
         def trace() -> tuple[TracedModel, Partition]:
             traced = trace_module(spec.build(), [spec.example_input()], strip_prefix=spec.strip_prefix)
-            return traced, partition(traced.program, assignment, n_stages, data_stage=data_stage)
+            stages = assignment
+            if stages is None:
+                stages = balanced_assignment([n.fwd_flops for n in traced.dag.nodes], n_stages)
+            return traced, partition(traced.program, stages, n_stages, data_stage=data_stage)
 
         traced, part = await asyncio.to_thread(trace)
         for note in part.moved:

@@ -24,14 +24,18 @@ import struct
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from fusionp2p.config import OptimizerConfig
 from fusionp2p.errors import ConfigError, FusionP2PError, PeerUnreachableError, ProtocolError, RecordError
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.transport import FrameStream, Transport
+from fusionp2p.opdag.spec import ModelSpec
+from fusionp2p.opdag.split import partition
+from fusionp2p.opdag.trace import trace_module
 from fusionp2p.records import ExecControl, OpData, decode_record
 from fusionp2p.runtime.executor import Executor, Message
+from fusionp2p.runtime.torch_executor import TorchExecutor
 
 __all__ = [
     "EXEC_PROTOCOL",
@@ -95,7 +99,13 @@ async def request(
 
 @dataclass(frozen=True)
 class JobSetup:
-    """What a stage needs to build its executor (the body of a ``setup`` control message)."""
+    """What a stage needs to build its executor (the body of a ``setup`` control message).
+
+    JSON, not a msgpack record: the assignment has one entry per operator node, far more
+    than a record holds. It carries its own schema version ``v`` all the same.
+    """
+
+    VERSION: ClassVar[int] = 1
 
     job: str
     spec_json: str  # ModelSpec.to_json()
@@ -112,6 +122,7 @@ class JobSetup:
     def to_json(self) -> bytes:
         return json.dumps(
             {
+                "v": self.VERSION,
                 "job": self.job,
                 "spec": self.spec_json,
                 "assignment": list(self.assignment),
@@ -133,6 +144,12 @@ class JobSetup:
             raise ConfigError(f"setup of {len(data)} bytes > {_MAX_SETUP}")
         try:
             body = json.loads(data)
+        except ValueError as e:
+            raise ConfigError(f"setup is not JSON: {e}") from e
+        version = body.get("v") if isinstance(body, dict) else None
+        if not isinstance(version, int) or not 1 <= version <= cls.VERSION:
+            raise ConfigError(f"setup schema version {version!r:.20}, this peer reads 1..{cls.VERSION}")
+        try:
             setup = cls(
                 job=str(body["job"]),
                 spec_json=str(body["spec"]),
@@ -159,11 +176,6 @@ class JobSetup:
 
 def build_torch_executor(setup: JobSetup) -> Executor:
     """Traces the spec here, checks the fingerprint and builds this stage's executor."""
-    from fusionp2p.opdag.spec import ModelSpec
-    from fusionp2p.opdag.split import partition
-    from fusionp2p.opdag.trace import trace_module
-    from fusionp2p.runtime.torch_executor import TorchExecutor
-
     spec = ModelSpec.from_json(setup.spec_json)
     traced = trace_module(spec.build(), [spec.example_input()], strip_prefix=spec.strip_prefix)
     part = partition(traced.program, setup.assignment, setup.n_stages, data_stage=setup.data_stage)
