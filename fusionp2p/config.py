@@ -6,13 +6,15 @@ that shows them. Timeouts and limits are small keyword-only value objects.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from fusionp2p.errors import ConfigError
 
-__all__ = ["DEFAULT_SWARM", "OptimizerConfig", "PeerConfig", "ProbeConfig", "Timeouts"]
+__all__ = ["DEFAULT_SWARM", "OptimizerConfig", "PeerConfig", "ProbeConfig", "Timeouts", "load_json_object"]
 
 DEFAULT_SWARM = "fusionp2p"
 _SWARM_NAME_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
@@ -22,6 +24,23 @@ def _positive(owner: str, **values: float) -> None:
     for name, value in values.items():
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise ConfigError(f"{owner}.{name} must be a positive finite number, got {value!r}")
+
+
+def load_json_object(data: str | bytes, what: str, limit: int) -> dict[str, Any]:
+    """A JSON object another peer sent, at most ``limit`` bytes.
+
+    Raises:
+        ConfigError: too large, not JSON, or not an object.
+    """
+    if len(data) > limit:
+        raise ConfigError(f"{what} of {len(data)} bytes > {limit}")
+    try:
+        body = json.loads(data)
+    except ValueError as e:
+        raise ConfigError(f"{what} is not JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise ConfigError(f"{what} must be a JSON object")
+    return body
 
 
 @dataclass(frozen=True, kw_only=True)

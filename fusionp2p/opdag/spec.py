@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from fusionp2p.config import load_json_object
 from fusionp2p.errors import ConfigError
 
 __all__ = ["DigitsCNN", "ModelSpec", "register_model"]
@@ -109,14 +110,7 @@ class ModelSpec:
         Raises:
             ConfigError: not JSON, too large, or a field of the wrong type.
         """
-        if len(text) > _MAX_SPEC_BYTES:
-            raise ConfigError(f"model spec of {len(text)} bytes > {_MAX_SPEC_BYTES}")
-        try:
-            body = json.loads(text)
-        except ValueError as e:
-            raise ConfigError(f"model spec is not JSON: {e}") from e
-        if not isinstance(body, dict):
-            raise ConfigError("model spec must be a JSON object")
+        body = load_json_object(text, "model spec", _MAX_SPEC_BYTES)
         try:
             return cls(
                 name=body["name"],

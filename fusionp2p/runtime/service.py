@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-from fusionp2p.config import OptimizerConfig
+from fusionp2p.config import OptimizerConfig, load_json_object
 from fusionp2p.errors import ConfigError, FusionP2PError, PeerUnreachableError, ProtocolError, RecordError
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.transport import FrameStream, Transport
@@ -140,13 +140,8 @@ class JobSetup:
     @classmethod
     def from_json(cls, data: bytes) -> JobSetup:
         """Raises ConfigError on anything malformed (it comes from another peer)."""
-        if len(data) > _MAX_SETUP:
-            raise ConfigError(f"setup of {len(data)} bytes > {_MAX_SETUP}")
-        try:
-            body = json.loads(data)
-        except ValueError as e:
-            raise ConfigError(f"setup is not JSON: {e}") from e
-        version = body.get("v") if isinstance(body, dict) else None
+        body = load_json_object(data, "setup", _MAX_SETUP)
+        version = body.get("v")
         if not isinstance(version, int) or not 1 <= version <= cls.VERSION:
             raise ConfigError(f"setup schema version {version!r:.20}, this peer reads 1..{cls.VERSION}")
         try:
