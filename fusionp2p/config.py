@@ -14,7 +14,17 @@ from typing import Any
 
 from fusionp2p.errors import ConfigError
 
-__all__ = ["DEFAULT_SWARM", "OptimizerConfig", "PeerConfig", "ProbeConfig", "Timeouts", "load_json_object"]
+__all__ = [
+    "DEFAULT_SWARM",
+    "ExecLimits",
+    "OptimizerConfig",
+    "PeerConfig",
+    "ProbeConfig",
+    "Timeouts",
+    "format_bytes",
+    "load_json_object",
+    "parse_bytes",
+]
 
 DEFAULT_SWARM = "fusionp2p"
 _SWARM_NAME_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
@@ -26,21 +36,69 @@ def _positive(owner: str, **values: float) -> None:
             raise ConfigError(f"{owner}.{name} must be a positive finite number, got {value!r}")
 
 
-def load_json_object(data: str | bytes, what: str, limit: int) -> dict[str, Any]:
-    """A JSON object another peer sent, at most ``limit`` bytes.
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_BYTE_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
+_BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def _json_depth(text: str) -> int:
+    depth = deepest = 0
+    for bracket in _JSON_BRACKET.findall(_JSON_STRING.sub("", text)):
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def load_json_object(data: str | bytes, what: str, limit: int, *, max_depth: int = 16) -> dict[str, Any]:
+    """A JSON object another peer sent: at most ``limit`` bytes and ``max_depth`` levels deep,
+    finite numbers only.
 
     Raises:
-        ConfigError: too large, not JSON, or not an object.
+        ConfigError: too large, too deep, not UTF-8 JSON, or not an object.
     """
     if len(data) > limit:
-        raise ConfigError(f"{what} of {len(data)} bytes > {limit}")
+        raise ConfigError(f"{what} of {len(data)} bytes > limit {limit}")
     try:
-        body = json.loads(data)
-    except ValueError as e:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} is not UTF-8: {e}") from e
+    depth = _json_depth(text)
+    if depth > max_depth:
+        raise ConfigError(f"{what} nests {depth} levels deep > limit {max_depth}")
+    try:
+        body = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
         raise ConfigError(f"{what} is not JSON: {e}") from e
     if not isinstance(body, dict):
-        raise ConfigError(f"{what} must be a JSON object")
+        raise ConfigError(f"{what} must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def parse_bytes(text: str) -> int:
+    """``"512MiB"``, ``"4 GB"``, ``"1000000"`` -> bytes (KiB/MiB/GiB are powers of 1024).
+
+    Raises:
+        ConfigError: not a number with a known unit.
+    """
+    found = _BYTES_RE.match(text)
+    unit = found.group(2).lower() if found else ""
+    if not found or unit not in _BYTE_UNITS:
+        raise ConfigError(f"{text!r} is not a size; use e.g. 4GiB, 512MiB or a number of bytes")
+    return int(float(found.group(1)) * _BYTE_UNITS[unit])
+
+
+def format_bytes(n: float) -> str:
+    """A human-readable size: ``format_bytes(3 << 30) == "3.0 GiB"``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +151,54 @@ class ProbeConfig:
             raise ConfigError(f"ProbeConfig.busy_slowdown must be >= 1, got {self.busy_slowdown}")
 
 
+def _positive_ints(owner: str, **values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{owner}.{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecLimits:
+    """What a peer accepts on its exec protocol. Over a limit, the stream gets an ERROR
+    reply naming the limit and is closed; the peer keeps serving everyone else."""
+
+    control_bytes: int = 64 << 10  # body of a control message (setup, step, fetch, teardown)
+    weights_chunk_bytes: int = 64 << 20  # one weights message (a tensor larger than this comes alone)
+    json_depth: int = 16  # nesting of any JSON a peer sends
+    max_stages: int = 64  # stages of one job
+    idle_timeout: float = 30.0  # an inbound stream that starts no frame for this long is closed
+    stall_timeout: float = 30.0  # a frame whose bytes stop arriving for this long is dropped
+    streams_per_peer: int = 16  # concurrent inbound streams from one remote peer, every protocol
+    streams_total: int = 256  # concurrent inbound streams from all peers
+    inbox_depth: int = 256  # OpData queued for compute per job; more waits (back-pressure)
+    inbound_bytes: int = 1 << 30  # message bodies held in memory at once, from all peers
+    inbound_bytes_per_peer: int = 256 << 20  # ... from one remote peer
+    job_idle_timeout: float = 600.0  # a job whose owner and neighbours send nothing this long is freed
+
+    def __post_init__(self) -> None:
+        _positive_ints(
+            "ExecLimits",
+            control_bytes=self.control_bytes,
+            weights_chunk_bytes=self.weights_chunk_bytes,
+            json_depth=self.json_depth,
+            max_stages=self.max_stages,
+            streams_per_peer=self.streams_per_peer,
+            streams_total=self.streams_total,
+            inbox_depth=self.inbox_depth,
+            inbound_bytes=self.inbound_bytes,
+            inbound_bytes_per_peer=self.inbound_bytes_per_peer,
+        )
+        _positive(
+            "ExecLimits",
+            idle_timeout=self.idle_timeout,
+            stall_timeout=self.stall_timeout,
+            job_idle_timeout=self.job_idle_timeout,
+        )
+
+
+_PEER_ID_RE = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")  # base58
+
+
 @dataclass(frozen=True, kw_only=True)
 class PeerConfig:
     """Everything a long-running peer needs to join a swarm."""
@@ -109,6 +215,15 @@ class PeerConfig:
     record_ttl: float = 20.0  # seconds a record lives without a heartbeat
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
+    allow_models: tuple[
+        str, ...
+    ] = ()  # model factories ("module:attr") to serve besides the built-in families
+    max_memory_bytes: int | None = (
+        None  # a stage may need at most this; None: 80% of the device's free memory
+    )
+    max_jobs: int = 1  # jobs served at once; a setup beyond this is refused, never replaces one
+    accept_jobs_from: tuple[str, ...] = ()  # PeerIDs allowed to set jobs up here; empty: anyone
+    exec_limits: ExecLimits = field(default_factory=ExecLimits)
 
     def __post_init__(self) -> None:
         if not _SWARM_NAME_RE.match(self.swarm):
@@ -128,6 +243,15 @@ class PeerConfig:
             _positive("PeerConfig", flops_override=self.flops_override)
         if self.upload_limit_mbps is not None:
             _positive("PeerConfig", upload_limit_mbps=self.upload_limit_mbps)
+        for target in self.allow_models:
+            if not isinstance(target, str) or not re.fullmatch(r"[\w.]+:[\w.]+", target):
+                raise ConfigError(f"PeerConfig.allow_models holds {target!r}, not 'package.module:factory'")
+        for peer_id in self.accept_jobs_from:
+            if not isinstance(peer_id, str) or not _PEER_ID_RE.match(peer_id):
+                raise ConfigError(f"PeerConfig.accept_jobs_from holds {peer_id!r}, not a base58 PeerID")
+        if self.max_memory_bytes is not None:
+            _positive_ints("PeerConfig", max_memory_bytes=self.max_memory_bytes)
+        _positive_ints("PeerConfig", max_jobs=self.max_jobs)
         if self.record_ttl < 2 * self.heartbeat:
             raise ConfigError(
                 f"PeerConfig.record_ttl ({self.record_ttl}) must be at least twice the "
@@ -155,7 +279,7 @@ class OptimizerConfig:
         _positive("OptimizerConfig", lr=self.lr, eps=self.eps)
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"OptimizerConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
-        if not (self.weight_decay >= 0 and 0 <= self.momentum < 1):
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0 and 0 <= self.momentum < 1):
             raise ConfigError("OptimizerConfig.weight_decay must be >= 0 and momentum in [0, 1)")
 
     def to_dict(self) -> dict[str, object]:

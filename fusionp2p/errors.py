@@ -4,6 +4,7 @@ FusionP2PError
 ├── ConfigError            a config value is invalid (bad CLI flag, bad dataclass field)
 ├── RecordError            a wire record is malformed, oversized or from a newer major version
 ├── ProtocolError          a peer sent bytes that break a stream protocol (size, order, kind)
+├── LimitError             a request needs more than this peer allows (memory, jobs, bytes)
 ├── PeerUnreachableError   a remote call or stream to a peer failed or passed its deadline
 ├── SwarmError             joining, reading or leaving the swarm failed
 └── ProfileError           measuring this device failed
@@ -14,6 +15,7 @@ from __future__ import annotations
 __all__ = [
     "ConfigError",
     "FusionP2PError",
+    "LimitError",
     "PeerUnreachableError",
     "ProfileError",
     "ProtocolError",
@@ -36,6 +38,10 @@ class RecordError(FusionP2PError, ValueError):
 
 class ProtocolError(FusionP2PError):
     """A peer broke a stream protocol: wrong frame kind, oversized frame, bad order."""
+
+
+class LimitError(FusionP2PError):
+    """A request needs more than this peer allows; the message says how much of what, and the limit."""
 
 
 class PeerUnreachableError(FusionP2PError):

@@ -11,6 +11,7 @@ DHT process can read from its pipe in one piece (larger requests can be torn and
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, TypeVar, get_type_hints
@@ -42,6 +43,12 @@ _MAX_INTS = 128  # node ranges of a plan stage; a tensor shape
 _MAX_STR = 256
 
 R = TypeVar("R", bound="_WireRecord")
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """A record class's field annotations (``get_type_hints`` is slow: once per class)."""
+    return get_type_hints(cls)
 
 
 def _check_field(name: str, value: Any, annotation: Any) -> Any:
@@ -107,7 +114,7 @@ class _WireRecord:
                 a missing required field or a field of the wrong type or range.
         """
         body = _unpack(data)
-        if body.get("kind") != cls.KIND:
+        if not isinstance(body.get("kind"), str) or body["kind"] != cls.KIND:
             raise RecordError(f"expected a {cls.KIND!r} record, got kind {body.get('kind')!r:.40}")
         return cls._from_body(body)
 
@@ -123,15 +130,15 @@ class _WireRecord:
             raise RecordError(f"{cls.KIND} record has no valid version, got {version!r:.40}")
         if version > cls.VERSION:
             raise RecordError(f"{cls.KIND} record version {version} is newer than {cls.VERSION}")
-        hints = get_type_hints(cls)
+        hints = _hints(cls)  # type: ignore[arg-type]
         kwargs = {}
         for f in fields(cls):
             if f.name in body:
                 kwargs[f.name] = _check_field(f.name, body[f.name], hints[f.name])
         try:
             return cls(**kwargs)
-        except TypeError as e:
-            raise RecordError(f"{cls.KIND} record misses a field: {e}") from e
+        except (TypeError, ValueError, OverflowError) as e:
+            raise RecordError(f"{cls.KIND} record misses a field or has a bad one: {e}") from e
 
 
 def _unpack(data: bytes) -> dict[str, Any]:
@@ -336,7 +343,7 @@ class OpData(_WireRecord):
         return math.prod(self.shape)
 
 
-EXEC_COMMANDS = ("setup", "weights", "step", "fetch", "ping")
+EXEC_COMMANDS = ("setup", "weights", "step", "fetch", "teardown", "ping")
 
 
 @dataclass(frozen=True)
@@ -350,7 +357,7 @@ class ExecControl(_WireRecord):
     iteration: int = 0
     n_micro_batches: int = 0
     what: str = ""  # fetch: "params" or "grads"
-    body_bytes: int = 0
+    body_bytes: int = 0  # length of the JSON or safetensors bytes that follow the header
 
     def __post_init__(self) -> None:
         if self.command not in EXEC_COMMANDS:
@@ -373,7 +380,8 @@ def decode_record(
         RecordError: the bytes are not a valid record of a known kind.
     """
     body = _unpack(data)
-    cls = _KINDS.get(body.get("kind"))  # type: ignore[arg-type]
+    kind = body.get("kind")
+    cls = _KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise RecordError(f"unknown record kind {body.get('kind')!r:.40}")
     return cls._from_body(body)  # type: ignore[return-value]

@@ -26,7 +26,17 @@ from hivemind.proto import p2pd_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
 from fusionp2p.errors import PeerUnreachableError
-from fusionp2p.net.framing import FRAME_VERSION, HEADER, FrameKind, read_frame, write_frame
+from fusionp2p.net.framing import (
+    FRAME_VERSION,
+    HEADER,
+    FrameKind,
+    read_exactly,
+    read_frame,
+    read_header,
+    skip_exactly,
+    write_frame,
+)
+from fusionp2p.net.limits import StreamGate
 
 __all__ = [
     "FrameStream",
@@ -108,9 +118,25 @@ class FrameStream:
             await self._writer.drain()
         await self._writer.drain()
 
-    async def recv(self, *, max_payload: int, timeout: float) -> tuple[FrameKind, bytes]:
+    async def recv(
+        self, *, max_payload: int, timeout: float, stall_timeout: float | None = None
+    ) -> tuple[FrameKind, bytes]:
         """Receives one frame (see ``read_frame`` for errors)."""
-        return await read_frame(self._reader, max_payload=max_payload, timeout=timeout)
+        return await read_frame(
+            self._reader, max_payload=max_payload, timeout=timeout, stall_timeout=stall_timeout
+        )
+
+    async def recv_header(self, *, timeout: float) -> tuple[FrameKind, int]:
+        """The next frame's kind and declared length; its payload is still to be read."""
+        return await read_header(self._reader, timeout=timeout)
+
+    async def recv_exactly(self, n: int, *, stall_timeout: float) -> bytes:
+        """``n`` more bytes of the current frame (see ``read_exactly``)."""
+        return await read_exactly(self._reader, n, stall_timeout=stall_timeout)
+
+    async def skip(self, n: int, *, stall_timeout: float) -> None:
+        """Reads and drops ``n`` bytes of the current frame."""
+        await skip_exactly(self._reader, n, stall_timeout=stall_timeout)
 
     async def close(self) -> None:
         """Closes the stream; never raises."""
@@ -139,8 +165,9 @@ class Transport(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def serve(self, protocol: str, handler: StreamHandler) -> None:
-        """Calls ``handler`` with each incoming stream of ``protocol`` (closed afterwards)."""
+    async def serve(self, protocol: str, handler: StreamHandler, *, gate: StreamGate | None = None) -> None:
+        """Calls ``handler`` with each incoming stream of ``protocol`` (closed afterwards);
+        with a ``gate``, a stream over its per-peer or total count is refused instead."""
 
     async def connect(self, peer_id: str, maddrs: Sequence[str], *, timeout: float) -> None:  # noqa: B027
         """Dials ``peer_id`` at ``maddrs`` so that ``open`` can reach it (a no-op where not needed).
@@ -156,12 +183,24 @@ class Transport(abc.ABC):
         """Stops serving; open streams are closed by their users."""
 
 
-async def _run_handler(handler: StreamHandler, stream: FrameStream, protocol: str) -> None:
+async def _run_handler(
+    handler: StreamHandler, stream: FrameStream, protocol: str, gate: StreamGate | None = None
+) -> None:
+    refused = gate.enter(stream.remote) if gate is not None else None
     try:
+        if refused is not None:
+            logger.warning(
+                "protocol error: refused a %s stream from %s: %s", protocol, stream.remote, refused
+            )
+            with contextlib.suppress(Exception):
+                await stream.send(FrameKind.ERROR, f"refused: {refused}".encode(), timeout=2.0)
+            return
         await handler(stream)
     except Exception as e:  # a bad peer must never take the server down
         logger.warning("%s handler for %s failed: %s: %s", protocol, stream.remote[:12], type(e).__name__, e)
     finally:
+        if gate is not None and refused is None:
+            gate.leave(stream.remote)
         await stream.close()
 
 
@@ -213,9 +252,10 @@ class P2PTransport(Transport):
         except Exception as e:
             raise PeerUnreachableError(f"cannot dial {peer_id[:12]} at {list(maddrs)[:2]}: {e!r}") from e
 
-    async def serve(self, protocol: str, handler: StreamHandler) -> None:
+    async def serve(self, protocol: str, handler: StreamHandler, *, gate: StreamGate | None = None) -> None:
         async def on_stream(info, reader, writer) -> None:
-            await _run_handler(handler, FrameStream(info.peer_id.to_base58(), reader, writer), protocol)
+            stream = FrameStream(info.peer_id.to_base58(), reader, writer)
+            await _run_handler(handler, stream, protocol, gate)
 
         await self._p2p.add_binary_stream_handler(protocol, on_stream)
         self._protocols.append(protocol)
@@ -250,12 +290,12 @@ class RateLimitedTransport(Transport):
     async def connect(self, peer_id: str, maddrs: Sequence[str], *, timeout: float) -> None:
         await self._inner.connect(peer_id, maddrs, timeout=timeout)
 
-    async def serve(self, protocol: str, handler: StreamHandler) -> None:
+    async def serve(self, protocol: str, handler: StreamHandler, *, gate: StreamGate | None = None) -> None:
         async def paced(stream: FrameStream) -> None:
             stream._bucket = self.bucket
             await handler(stream)
 
-        await self._inner.serve(protocol, paced)
+        await self._inner.serve(protocol, paced, gate=gate)
 
     async def stop_serving(self, protocol: str) -> None:
         await self._inner.stop_serving(protocol)
@@ -294,7 +334,7 @@ class MemoryTransport(Transport):
     def __init__(self, peer_id: str, hub: dict[str, MemoryTransport]) -> None:
         self._peer_id = peer_id
         self._hub = hub
-        self._handlers: dict[str, StreamHandler] = {}
+        self._handlers: dict[str, tuple[StreamHandler, StreamGate | None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         hub[peer_id] = self
 
@@ -309,13 +349,14 @@ class MemoryTransport(Transport):
         near_reader, far_reader = asyncio.StreamReader(), asyncio.StreamReader()
         near = FrameStream(peer_id, near_reader, _MemoryWriter(far_reader))  # type: ignore[arg-type]
         far = FrameStream(self._peer_id, far_reader, _MemoryWriter(near_reader))  # type: ignore[arg-type]
-        task = asyncio.create_task(_run_handler(remote._handlers[protocol], far, protocol))
+        handler, gate = remote._handlers[protocol]
+        task = asyncio.create_task(_run_handler(handler, far, protocol, gate))
         remote._tasks.add(task)
         task.add_done_callback(remote._tasks.discard)
         return near
 
-    async def serve(self, protocol: str, handler: StreamHandler) -> None:
-        self._handlers[protocol] = handler
+    async def serve(self, protocol: str, handler: StreamHandler, *, gate: StreamGate | None = None) -> None:
+        self._handlers[protocol] = (handler, gate)
 
     async def stop_serving(self, protocol: str) -> None:
         self._handlers.pop(protocol, None)

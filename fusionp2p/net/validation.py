@@ -15,7 +15,6 @@ A rejected record is dropped and logged as a protocol error; the node keeps serv
 from __future__ import annotations
 
 import logging
-import time
 
 import msgpack
 from hivemind.dht.crypto import RSASignatureValidator
@@ -24,6 +23,7 @@ from hivemind.utils import get_dht_time
 
 from fusionp2p.errors import RecordError
 from fusionp2p.net.identity import peer_id_from_public_key
+from fusionp2p.net.limits import RejectionLog
 from fusionp2p.records import MAX_RECORD_BYTES, LinkRecord, PeerRecord, PlanStageRecord, decode_record
 
 __all__ = ["MAX_RECORD_LIFETIME", "LoggingSignatureValidator", "SwarmRecordValidator", "make_validators"]
@@ -35,22 +35,8 @@ _WIRE_OVERHEAD = 16  # msgpack framing around the record bytes
 _LOG_INTERVAL = 5.0
 
 
-class _RejectionLog:
-    """Logs each kind of rejection at most once per interval, with a count of the rest."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, tuple[float, int]] = {}
-
-    def reject(self, reason: str, detail: str) -> bool:
-        now = time.monotonic()
-        last, suppressed = self._last.get(reason, (-1e9, 0))
-        if now - last >= _LOG_INTERVAL:
-            more = f" (+{suppressed} similar)" if suppressed else ""
-            logger.warning("protocol error: rejected DHT record: %s: %s%s", reason, detail, more)
-            self._last[reason] = (now, 0)
-        else:
-            self._last[reason] = (last, suppressed + 1)
-        return False
+def _rejection_log() -> RejectionLog:
+    return RejectionLog(logger, "protocol error: rejected DHT record", interval=_LOG_INTERVAL)
 
 
 class LoggingSignatureValidator(RSASignatureValidator):
@@ -58,7 +44,7 @@ class LoggingSignatureValidator(RSASignatureValidator):
 
     def __init__(self, private_key=None) -> None:
         super().__init__(private_key)
-        self._log = _RejectionLog()
+        self._log = _rejection_log()
 
     def validate(self, record: DHTRecord) -> bool:
         if super().validate(record):
@@ -81,7 +67,7 @@ class SwarmRecordValidator(RecordValidatorBase):
     """Accepts only signed, well-formed, small fusionp2p records whose signer is their peer."""
 
     def __init__(self) -> None:
-        self._log = _RejectionLog()
+        self._log = _rejection_log()
 
     @property
     def priority(self) -> int:
