@@ -1,13 +1,14 @@
 """fusionp2p: decentralized training of one model over many peers (after FusionLLM).
 
 - ``errors.py``: the FusionP2PError tree.
-- ``config.py``: PeerConfig, ProbeConfig, Timeouts, OptimizerConfig.
+- ``config.py``: PeerConfig, ProbeConfig, Timeouts, ExecLimits, OptimizerConfig.
 - ``records.py``: versioned wire records: PeerRecord, LinkRecord, PlanStageRecord,
   TopKHeader for the DHT and the wire; OpData and ExecControl for the exec protocol.
 - ``net/``: identity, DHT directory and validators, frame streams, transports, probes.
-- ``runtime/``: device profiling; executors (remote autodiff), the exec protocol, the
-  data owner's pipeline driver.
-- ``opdag/``: the OP-DAG IR, analytic transformer OP-DAGs, tracing, model specs, splitting.
+- ``runtime/``: device profiling; executors (remote autodiff), the exec protocol and who
+  may use it, stage memory needs, the data owner's pipeline driver.
+- ``opdag/``: the OP-DAG IR, analytic transformer OP-DAGs, tracing, model families and
+  specs (a peer builds only families its operator installed), splitting.
 - ``planning/``: cost model, estimators, clustering, OP-Fence, baselines, exact solver, Plan.
 - ``compression/``: Top-K selection, wire format, error feedback (CUDA kernels in ``kernels``).
 - ``peer.py``: the long-running Peer.
@@ -19,10 +20,11 @@
 
 __version__ = "0.1.0"
 
-from fusionp2p.config import DEFAULT_SWARM, OptimizerConfig, PeerConfig, ProbeConfig, Timeouts
+from fusionp2p.config import DEFAULT_SWARM, ExecLimits, OptimizerConfig, PeerConfig, ProbeConfig, Timeouts
 from fusionp2p.errors import (
     ConfigError,
     FusionP2PError,
+    LimitError,
     PeerUnreachableError,
     ProfileError,
     ProtocolError,
@@ -34,8 +36,12 @@ from fusionp2p.records import LinkRecord, PeerRecord
 __all__ = [
     "DEFAULT_SWARM",
     "ConfigError",
+    "ExecLimits",
     "FusionP2PError",
+    "LimitError",
     "LinkRecord",
+    "ModelFamily",
+    "ModelRegistry",
     "ModelSpec",
     "OptimizerConfig",
     "PeerConfig",
@@ -63,4 +69,8 @@ def __getattr__(name: str) -> object:
         from fusionp2p.opdag.spec import ModelSpec
 
         return ModelSpec
+    if name in ("ModelFamily", "ModelRegistry"):
+        from fusionp2p.opdag import families
+
+        return getattr(families, name)
     raise AttributeError(f"module 'fusionp2p' has no attribute {name!r}")

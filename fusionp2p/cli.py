@@ -20,8 +20,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from fusionp2p import __version__
-from fusionp2p.config import DEFAULT_SWARM, PeerConfig, ProbeConfig
+from fusionp2p.config import DEFAULT_SWARM, ExecLimits, PeerConfig, ProbeConfig, parse_bytes
 from fusionp2p.errors import FusionP2PError
+from fusionp2p.opdag.families import BUILTIN_FAMILIES
 from fusionp2p.records import LinkRecord, PeerRecord
 
 __all__ = ["main"]
@@ -38,6 +39,13 @@ def _add_swarm_args(parser: argparse.ArgumentParser) -> None:
         help="multiaddrs of live peers (printed by `fusionp2p peer`)",
     )
     parser.add_argument("--swarm", default=DEFAULT_SWARM, help="swarm name (default: %(default)s)")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except FusionP2PError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -82,7 +90,44 @@ def _parser() -> argparse.ArgumentParser:
         help="leave the swarm when the process that started this peer dies",
     )
     peer.add_argument(
-        "--ready-file", metavar="PATH", help="write {peer_id, multiaddrs} as JSON here once joined"
+        "--ready-file", metavar="PATH", help="write {peer_id, multiaddrs, pid} as JSON here once joined"
+    )
+    jobs = peer.add_argument_group("what this peer runs for others (docs/SECURITY.md)")
+    jobs.add_argument(
+        "--allow-model",
+        action="append",
+        default=[],
+        metavar="MODULE:FACTORY",
+        help="also serve this model factory, importable here (repeatable); built in: "
+        + ", ".join(f.name for f in BUILTIN_FAMILIES),
+    )
+    jobs.add_argument(
+        "--max-memory",
+        type=_size,
+        metavar="SIZE",
+        help="the most memory one stage may need, e.g. 8GiB (default: 80%% of free memory at setup)",
+    )
+    jobs.add_argument("--max-jobs", type=int, default=1, help="jobs served at once (default: %(default)s)")
+    jobs.add_argument(
+        "--accept-jobs-from",
+        action="append",
+        default=[],
+        metavar="PEER_ID",
+        help="take jobs only from these peers (repeatable): a private swarm",
+    )
+    jobs.add_argument(
+        "--max-inbound-memory",
+        type=_size,
+        default=ExecLimits().inbound_bytes,
+        metavar="SIZE",
+        help="message bodies held from all peers at once (default: 1GiB)",
+    )
+    jobs.add_argument(
+        "--job-idle-timeout",
+        type=float,
+        default=ExecLimits().job_idle_timeout,
+        metavar="S",
+        help="free a job whose owner sent nothing for this long (default: %(default)s s)",
     )
 
     status = sub.add_parser("status", help="print a swarm's live peers and measured links")
@@ -176,6 +221,15 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         heartbeat=args.heartbeat,
         record_ttl=args.record_ttl,
         probe=ProbeConfig(period=args.probe_period, fanout=args.probe_fanout),
+        allow_models=tuple(args.allow_model),
+        max_memory_bytes=args.max_memory,
+        max_jobs=args.max_jobs,
+        accept_jobs_from=tuple(args.accept_jobs_from),
+        exec_limits=ExecLimits(
+            inbound_bytes=args.max_inbound_memory,
+            inbound_bytes_per_peer=min(args.max_inbound_memory, ExecLimits().inbound_bytes_per_peer),
+            job_idle_timeout=args.job_idle_timeout,
+        ),
     )
     import uvloop
 

@@ -53,7 +53,12 @@ class PeerProcess:
 
 
 class LocalSwarm:
-    """Starts ``n_peers`` peers on loopback; peer 0 starts the swarm, the others join it."""
+    """Starts ``n_peers`` peers on loopback; peer 0 starts the swarm, the others join it.
+
+    ``allow_models`` (``"module:factory"`` import paths, importable by the peers, e.g.
+    through ``env={"PYTHONPATH": ...}``) lets the peers serve models besides the built-in
+    families; ``peer_args`` adds any other ``fusionp2p peer`` flags per peer.
+    """
 
     def __init__(
         self,
@@ -64,6 +69,7 @@ class LocalSwarm:
         peer_args: Sequence[Sequence[str]] | None = None,
         log_level: str = "info",
         env: dict[str, str] | None = None,
+        allow_models: Sequence[str] = (),
     ) -> None:
         if n_peers < 1:
             raise SwarmError(f"a local swarm needs at least one peer, got {n_peers}")
@@ -72,6 +78,7 @@ class LocalSwarm:
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="fusionp2p-local-"))
         self.peer_args = [list(a) for a in (peer_args or [[]] * n_peers)]
+        self.allow_models = list(allow_models)  # passed to every peer as --allow-model
         self.log_level = log_level
         self.env = {**os.environ, **(env or {})}
         self.env.setdefault("FUSIONP2P_CACHE", str(self.workdir / "cache"))
@@ -101,6 +108,7 @@ class LocalSwarm:
             "--ready-file",
             str(ready_path),
             "--exit-with-parent",
+            *(arg for model in self.allow_models for arg in ("--allow-model", model)),
             *self.peer_args[index],
         ]
         if initial_peers:

@@ -3,8 +3,9 @@
 A ``Peer`` is an async resource: ``peer = await Peer.create(config)`` ... ``await
 peer.aclose()``, or ``async with await Peer.create(config) as peer``. While open it runs
 an executor service (a data owner sets a stage of its job up here and streams OpData
-to it) and two tracked background tasks: the heartbeat (PeerRecord + its LinkRecords, each a signed
-expiring DHT entry) and the probe loop (a bounded sample of peers per period).
+to it; ``runtime/service.py`` says what it accepts from whom) and two tracked background
+tasks: the heartbeat (PeerRecord + its LinkRecords, each a signed expiring DHT entry)
+and the probe loop (a bounded sample of peers per period).
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ from fusionp2p.errors import FusionP2PError
 from fusionp2p.net.dht_node import start_dht
 from fusionp2p.net.directory import SwarmDirectory
 from fusionp2p.net.identity import ensure_identity, load_signing_key
+from fusionp2p.net.limits import StreamGate
 from fusionp2p.net.probe import PROBE_PROTOCOL, LinkEstimator, probe_link, serve_probe
 from fusionp2p.net.transport import P2PTransport, RateLimitedTransport, Transport
+from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.records import PeerRecord
 from fusionp2p.runtime.device_profile import DeviceProfile, free_memory, profile_device
-from fusionp2p.runtime.service import ExecutorService
+from fusionp2p.runtime.service import ExecutorService, ServicePolicy
 
 __all__ = ["Peer"]
 
@@ -72,10 +75,11 @@ class Peer:
         """Profiles the device, starts the DHT node and joins the swarm.
 
         Raises:
-            ConfigError: a bad identity file.
+            ConfigError: a bad identity file, or an ``allow_models`` entry that cannot be imported.
             SwarmError: the DHT node could not start or join.
             ProfileError: the device could not be measured.
         """
+        registry = ModelRegistry(allow=config.allow_models)  # the operator's choice; fails early
         tmpdir = None
         identity_path = config.identity_path
         if identity_path is None:
@@ -102,8 +106,16 @@ class Peer:
                 partial(hivemind.DHT._get_visible_maddrs, latest=True), return_future=True
             )
             peer._maddrs = [str(m) for m in maddrs]
-            await transport.serve(PROBE_PROTOCOL, peer._serve_probe)
-            peer.executors = await ExecutorService(transport).start()
+            limits = config.exec_limits
+            gate = StreamGate(per_peer=limits.streams_per_peer, total=limits.streams_total)
+            await transport.serve(PROBE_PROTOCOL, peer._serve_probe, gate=gate)
+            policy = ServicePolicy(
+                max_jobs=config.max_jobs,
+                accept_jobs_from=frozenset(config.accept_jobs_from),
+                max_memory_bytes=config.max_memory_bytes,
+                limits=limits,
+            )
+            peer.executors = await ExecutorService(transport, policy, registry=registry, gate=gate).start()
             await peer._publish_self()
             peer.state = "idle"
             await peer._publish_self()
@@ -170,7 +182,10 @@ class Peer:
         now = get_dht_time()
         record = self._peer_record(now)
         if not await self.directory.publish_peer(record, self._next_expiration(now)):
-            logger.warning("no DHT node accepted this peer's record (state %s)", self.state)
+            if await self.directory.holds_peer(record):
+                logger.debug("a DHT replica refused this peer's record, others hold it")
+            else:
+                logger.warning("no DHT node accepted this peer's record (state %s)", self.state)
 
     async def _publish_links(self) -> None:
         now = get_dht_time()

@@ -26,6 +26,7 @@ from fusionp2p.errors import SwarmError
 from fusionp2p.net.dht_node import start_dht
 from fusionp2p.net.directory import SwarmDirectory
 from fusionp2p.net.transport import P2PTransport
+from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.opdag.split import Partition
 from fusionp2p.records import LinkRecord, PeerRecord
@@ -140,15 +141,23 @@ class Swarm:
         loss: str = "lm",
         ratios: dict[int, float] | None = None,
         timeout: float = 120.0,
+        registry: ModelRegistry | None = None,
     ) -> Pipeline:
         """Splits ``spec``'s model into ``n_stages`` stages and sets it up on live peers.
 
         Stage 0 runs here (it reads the raw inputs and computes the loss); stages 1.. go
         to the fastest live peers (measured FLOP/s). Without ``assignment`` (a stage per
-        operator node) the stages get contiguous pieces of equal FLOPs.
+        operator node) the stages get contiguous pieces of equal FLOPs. Each peer builds
+        the model only if it serves ``spec.family`` (built in, or enabled by its operator
+        with ``--allow-model``); ``registry`` is what this process builds it from
+        (default: built-ins, installed entry points, and ``spec.family`` if it is an
+        import path).
 
         Raises:
             SwarmError: fewer live peers than ``n_stages - 1``.
+            ConfigError: the model's config breaks its family's schema.
+            ProtocolError: a peer refused its stage (an unknown family, too little
+                memory, busy); the peer's reason is in the message.
         """
         peers = sorted(self.peers(), key=lambda p: -p.fp32_flops)[: n_stages - 1]
         if len(peers) < n_stages - 1:
@@ -170,6 +179,7 @@ class Swarm:
                 loss=loss,
                 ratios=ratios,
                 timeout=timeout,
+                registry=registry,
             )
 
         return Pipeline(self, self._run(create()), peers)

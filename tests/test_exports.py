@@ -8,8 +8,12 @@ def test_top_level_all() -> None:
         [
             "DEFAULT_SWARM",
             "ConfigError",
+            "ExecLimits",
             "FusionP2PError",
+            "LimitError",
             "LinkRecord",
+            "ModelFamily",
+            "ModelRegistry",
             "ModelSpec",
             "OptimizerConfig",
             "PeerConfig",

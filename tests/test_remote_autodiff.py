@@ -20,6 +20,7 @@ from hivemind.p2p import P2P
 from masked_reference import masked_reference
 
 from fusionp2p.config import OptimizerConfig
+from fusionp2p.errors import PeerUnreachableError
 from fusionp2p.launch import LocalSwarm
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.transport import P2PTransport
@@ -28,7 +29,8 @@ from fusionp2p.opdag.split import op_node_names
 from fusionp2p.opdag.trace import trace_module
 from fusionp2p.records import OpData
 from fusionp2p.runtime.driver import PipelineDriver
-from fusionp2p.runtime.service import EXEC_PROTOCOL, pack_message, request
+from fusionp2p.opdag.families import ModelRegistry
+from fusionp2p.runtime.codec import EXEC_PROTOCOL, pack_message
 from fusionp2p.runtime.torch_executor import LOSSES
 
 N_MB, BATCH, SEQ = 3, 2, 8
@@ -56,6 +58,7 @@ LLAMA = ModelSpec(
     input_shape=(BATCH, SEQ),
     seed=4,
 )
+LOCAL = ModelRegistry(allow=["user_models:SkipNet"])  # what this test process builds itself
 SKIPNET = ModelSpec(
     "user_models:SkipNet", {"features": 12}, input_shape=(4, 12), input_dtype="float32", seed=5
 )
@@ -67,7 +70,12 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH", "")]))}
     args = [["--probe-period", "30"]] * 3
     with LocalSwarm(
-        3, swarm="exec", workdir=str(tmp_path_factory.mktemp("exec")), peer_args=args, env=env
+        3,
+        swarm="exec",
+        workdir=str(tmp_path_factory.mktemp("exec")),
+        peer_args=args,
+        env=env,
+        allow_models=["user_models:SkipNet"],
     ) as s:
         yield s
 
@@ -88,7 +96,7 @@ def owner(swarm: LocalSwarm) -> Iterator[tuple[asyncio.AbstractEventLoop, P2PTra
 
 def _assignment(spec: ModelSpec, n_stages: int, layout: str) -> list[int]:
     """A stage per operator node: contiguous thirds, cuts inside blocks, or blocks round-robin."""
-    traced = trace_module(spec.build(), [spec.example_input()], strip_prefix=spec.strip_prefix)
+    traced = trace_module(spec.build(LOCAL), [spec.example_input()], strip_prefix=spec.strip_prefix)
     ops = op_node_names(traced.program.graph)
     n = len(ops)
     if layout == "contiguous":
@@ -111,7 +119,7 @@ def _batches(spec: ModelSpec, iteration: int) -> list[tuple[torch.Tensor, torch.
 
 def _reference(spec: ModelSpec, loss: str, iterations: int):
     """Losses, gradients and final parameters of the monolithic model, same data, same AdamW."""
-    model = spec.build()
+    model = spec.build(LOCAL)
     opt = torch.optim.AdamW(
         model.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps, weight_decay=OPT.weight_decay
     )
@@ -183,7 +191,7 @@ def _run(owner, swarm: LocalSwarm, spec: ModelSpec, n_stages: int, layout: str, 
         (LLAMA, 3, "mid-block"),
         (LLAMA, 4, "interleaved"),
     ],
-    ids=lambda v: v.name if isinstance(v, ModelSpec) else str(v),
+    ids=lambda v: v.family if isinstance(v, ModelSpec) else str(v),
 )
 def test_split_causal_lm_is_exact(
     owner, swarm: LocalSwarm, spec: ModelSpec, n_stages: int, layout: str
@@ -204,7 +212,7 @@ def test_split_causal_lm_is_exact(
             len({s.wave for s in part.stage_segments(st) if s.kind == "ops"}) >= 2
             for st in range(1, n_stages)
         )
-    if spec.name == "gpt2":  # tied embedding / LM head: both users run on one stage
+    if spec.family == "gpt2":  # tied embedding / LM head: both users run on one stage
         assert any("lm_head" in note for note in part.moved) or n_stages == 1
 
 
@@ -263,25 +271,35 @@ def test_garbage_opdata_is_rejected_and_the_stage_keeps_serving(owner, swarm: Lo
                 "unknown producer": dataclasses.replace(good, producer="no_such_node"),
                 "wrong job": dataclasses.replace(good, job="another-job"),
             }
+
+            async def ask(stream, payload: bytes) -> FrameKind:
+                await stream.send(FrameKind.DATA, payload, timeout=10)
+                kind, reply = await stream.recv(max_payload=1 << 20, timeout=10)
+                assert kind is FrameKind.ACK or reply
+                return kind
+
             stream = await transport.open(peer.peer_id, EXEC_PROTOCOL, timeout=10)
-            try:
+            try:  # refused but well-framed: an ERROR each, and the stream lives on
                 for what, header in bad.items():
-                    size = header.body_bytes
-                    await stream.send(FrameKind.DATA, pack_message(header, bytes(size)), timeout=10)
-                    kind, reply = await stream.recv(max_payload=1 << 20, timeout=10)
-                    assert kind is FrameKind.ERROR, what
-                    assert reply, what
-                await stream.send(FrameKind.DATA, b"\x00\x05not-a-record", timeout=10)
-                kind, _ = await stream.recv(max_payload=1 << 20, timeout=10)
-                assert kind is FrameKind.ERROR
-                # the body disagrees with the header
-                await stream.send(FrameKind.DATA, pack_message(good, body)[:-4], timeout=10)
-                kind, _ = await stream.recv(max_payload=1 << 20, timeout=10)
-                assert kind is FrameKind.ERROR
-                kind, _ = await request(stream, dataclasses.replace(good, micro_batch=1), body, timeout=10)
-                assert kind is FrameKind.ACK  # a well-formed OpData on the same stream is still taken
+                    assert (
+                        await ask(stream, pack_message(header, bytes(header.body_bytes))) is FrameKind.ERROR
+                    ), what
+                header = dataclasses.replace(good, micro_batch=1)
+                assert await ask(stream, pack_message(header, body)) is FrameKind.ACK
             finally:
                 await stream.close()
+            broken = {
+                "not a record": b"\x00\x05not-a-record",
+                "body shorter than its header says": pack_message(good, body)[:-4],
+            }
+            for what, payload in broken.items():  # an ERROR, then the stream is closed
+                stream = await transport.open(peer.peer_id, EXEC_PROTOCOL, timeout=10)
+                try:
+                    assert await ask(stream, payload) is FrameKind.ERROR, what
+                    with pytest.raises(PeerUnreachableError):
+                        await stream.recv(max_payload=1 << 20, timeout=10)
+                finally:
+                    await stream.close()
         finally:
             await driver.aclose()
 

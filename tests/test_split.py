@@ -16,6 +16,7 @@ from user_models import SkipNet
 
 from fusionp2p.config import OptimizerConfig
 from fusionp2p.errors import ConfigError, ProtocolError, RecordError
+from fusionp2p.opdag.families import ModelRegistry, UnknownModelError
 from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.opdag.split import LOSS, op_node_names, partition
 from fusionp2p.opdag.trace import trace_module
@@ -27,6 +28,7 @@ GPT2 = ModelSpec(
     "gpt2", {"n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": 53, "n_positions": 16}, input_shape=(2, 6)
 )
 N_MB = 2
+LOCAL = ModelRegistry(allow=["user_models:SkipNet"])  # this test process's own model
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +68,7 @@ def _run_inprocess(
 
 
 def _reference(spec: ModelSpec, loss: str, batches):
-    model = spec.build()
+    model = spec.build(LOCAL)
     losses = []
     for x, y in batches:
         value = LOSSES[loss]([model(x)], y)
@@ -140,8 +142,8 @@ def test_bad_assignments_are_rejected(gpt2) -> None:
 
 def test_user_model_with_skip_connection_splits_exactly() -> None:
     spec = ModelSpec("user_models:SkipNet", {}, input_shape=(4, 12), input_dtype="float32")
-    assert isinstance(spec.build(), SkipNet)
-    traced = trace_module(spec.build(), [spec.example_input()])
+    assert isinstance(spec.build(LOCAL), SkipNet)
+    traced = trace_module(spec.build(LOCAL), [spec.example_input()])
     ops = op_node_names(traced.program.graph)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(4, 12, generator=g), torch.randint(0, 5, (4,), generator=g)) for _ in range(3)]
@@ -257,13 +259,15 @@ def test_tensor_bodies_round_trip_dense_and_topk() -> None:
 
 def test_model_spec_json_is_validated() -> None:
     assert ModelSpec.from_json(GPT2.to_json()) == GPT2
-    for text in ("[]", "{", '{"name": "gpt2"}', '{"name": "gpt2", "input_shape": [0]}'):
+    for text in ("[]", "{", '{"family": "gpt2"}', '{"family": "gpt2", "input_shape": [0]}'):
         with pytest.raises(ConfigError):
             ModelSpec.from_json(text)
-    with pytest.raises(ConfigError, match="unknown model"):
-        ModelSpec("no-such-model").factory()
+    with pytest.raises(UnknownModelError, match="no-such-model"):
+        ModelSpec("no-such-model").build()
+    with pytest.raises(UnknownModelError, match="--allow-model no_such_module:Thing"):
+        ModelSpec("no_such_module:Thing").build()  # an import path is never imported unless allowed
     with pytest.raises(ConfigError, match="cannot import"):
-        ModelSpec("no_such_module:Thing").factory()
+        ModelRegistry(allow=["no_such_module:Thing"])
     a, b = GPT2.build(), GPT2.build()
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
@@ -272,7 +276,7 @@ def test_topk_on_the_wire_gives_the_exact_gradient_of_the_compressed_forward() -
     """With Top-K between stages, the split model computes exactly the gradient of the model
     whose cut tensors are Top-K-masked; gradients go back at the forward's positions."""
     spec = ModelSpec("user_models:SkipNet", {"hidden": 64}, input_shape=(8, 12), input_dtype="float32")
-    traced = trace_module(spec.build(), [spec.example_input()])
+    traced = trace_module(spec.build(LOCAL), [spec.example_input()])
     ops = op_node_names(traced.program.graph)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(2)]

@@ -14,6 +14,7 @@ peer that dies without leaving disappears within its record TTL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 from collections.abc import Iterable, Sequence
@@ -120,6 +121,20 @@ class SwarmDirectory:
         if not include_leaving:
             peers = {pid: r for pid, r in peers.items() if r.state != "leaving"}
         return peers
+
+    async def holds_peer(self, record: PeerRecord) -> bool:
+        """Whether readers see ``record`` (or a newer one of its peer) in the DHT.
+
+        hivemind reports only the answer of the replica that answered a store last, so a
+        replica that validates nothing, or holds a forged entry under the peer's subkey,
+        makes a store look refused while honest replicas took it: read back to know.
+        """
+        for data in (await self._get_dict(self.peers_key(_shard(record.peer_id)))).values():
+            with contextlib.suppress(RecordError):
+                found = PeerRecord.from_wire(data)
+                if found.peer_id == record.peer_id and found.updated_at >= record.updated_at:
+                    return True
+        return False
 
     async def fetch_links(self, sources: Sequence[str]) -> list[LinkRecord]:
         """Unexpired LinkRecords measured by each peer in ``sources``."""

@@ -1,19 +1,18 @@
 """A model spec: what peers exchange instead of code or a pickled model.
 
-A spec names a model (a registry name such as ``"gpt2"``, or an import path
-``"package.module:factory"`` of a function on every peer), its config (a JSON object),
-the seed its initial weights come from and the shape of one micro-batch's input. Every
-peer builds the same model from it and traces the same OP-DAG; the data owner checks
-that by the graph's fingerprint.
+A spec names a model *family* (``"gpt2"``, ``"llama"``, ``"digits-cnn"``, or one a peer's
+operator enabled; see ``families.py``), its config (a JSON object validated against the
+family's schema), the seed its initial weights come from and the shape of one
+micro-batch's input. Every peer builds the same model from it and traces the same
+OP-DAG; the data owner checks that by the graph's fingerprint. Building goes through a
+``ModelRegistry``: a spec never imports anything itself.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,136 +20,119 @@ import torch
 
 from fusionp2p.config import load_json_object
 from fusionp2p.errors import ConfigError
+from fusionp2p.opdag.families import BUILTIN_FAMILIES, DigitsCNN, ModelFamily, ModelRegistry
 
-__all__ = ["DigitsCNN", "ModelSpec", "register_model"]
+__all__ = ["MAX_INPUT_NUMEL", "DigitsCNN", "ModelSpec"]
 
-_MAX_SPEC_BYTES = 64 << 10
+MAX_SPEC_BYTES = 16 << 10
+MAX_INPUT_NUMEL = 1 << 28  # elements of one micro-batch's input
+_MAX_INPUT_DIMS = 8
 _INPUT_DTYPES = {"int64": torch.int64, "float32": torch.float32}
-
-
-class DigitsCNN(torch.nn.Module):
-    """Two convolutions and a linear head for 8x8 grey images (scikit-learn's digits)."""
-
-    def __init__(self, channels: int = 16, classes: int = 10) -> None:
-        super().__init__()
-        self.conv1 = torch.nn.Conv2d(1, channels, 3, padding=1)
-        self.conv2 = torch.nn.Conv2d(channels, 2 * channels, 3, padding=1)
-        self.head = torch.nn.Linear(2 * channels * 4 * 4, classes)
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = torch.relu(self.conv1(images))
-        x = torch.nn.functional.max_pool2d(torch.relu(self.conv2(x)), 2)
-        return self.head(x.flatten(1))
-
-
-def _causal_lm(family: str) -> Callable[..., torch.nn.Module]:
-    def build(**config: Any) -> torch.nn.Module:
-        import transformers
-
-        from fusionp2p.opdag.trace import CausalLMWrapper
-
-        if family == "gpt2":
-            config = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, **config}
-            return CausalLMWrapper(transformers.GPT2LMHeadModel(transformers.GPT2Config(**config)))
-        return CausalLMWrapper(transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)))
-
-    return build
-
-
-_REGISTRY: dict[str, Callable[..., torch.nn.Module]] = {
-    "gpt2": _causal_lm("gpt2"),
-    "llama": _causal_lm("llama"),
-    "digits-cnn": DigitsCNN,
-}
-
-
-def register_model(name: str, factory: Callable[..., torch.nn.Module]) -> None:
-    """Adds a model factory under ``name`` (it must be registered on every peer)."""
-    if not name or ":" in name:
-        raise ConfigError(f"a registry name must be non-empty and without ':', got {name!r}")
-    _REGISTRY[name] = factory
+_STRIP = {f.name: f.strip_prefix for f in BUILTIN_FAMILIES}
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """How to build the model every peer of a job runs a part of."""
 
-    name: str  # registry name, or "package.module:factory"
-    config: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the factory
+    family: str  # a family in the peer's ModelRegistry: "gpt2", "llama", "digits-cnn", "pkg.mod:factory"
+    config: dict[str, Any] = field(default_factory=dict)  # validated against the family's schema
     input_shape: tuple[int, ...] = (1, 16)  # one micro-batch's input
     input_dtype: str = "int64"  # token ids; "float32" for images
-    seed: int = 0
+    seed: int = 0  # initial weights are drawn from this seed, identically on every peer
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ConfigError("ModelSpec.name must be a registry name or 'module:attr'")
+        if not isinstance(self.family, str) or not 0 < len(self.family) <= 128:
+            raise ConfigError(
+                f"ModelSpec.family must be a family name of 1-128 chars, got {self.family!r:.80}"
+            )
         if self.input_dtype not in _INPUT_DTYPES:
             raise ConfigError(f"ModelSpec.input_dtype must be one of {sorted(_INPUT_DTYPES)}")
-        if not self.input_shape or any(not isinstance(d, int) or d < 1 for d in self.input_shape):
-            raise ConfigError(f"ModelSpec.input_shape must be positive integers, got {self.input_shape}")
+        dims = self.input_shape
+        if (
+            not isinstance(dims, tuple)
+            or not 0 < len(dims) <= _MAX_INPUT_DIMS
+            or any(not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in dims)
+        ):
+            raise ConfigError(
+                f"ModelSpec.input_shape must be 1-{_MAX_INPUT_DIMS} positive integers, got {dims!r:.80}"
+            )
+        if math.prod(dims) > MAX_INPUT_NUMEL:
+            raise ConfigError(f"ModelSpec.input_shape {dims} has more than {MAX_INPUT_NUMEL} elements")
         if not isinstance(self.config, dict):
             raise ConfigError("ModelSpec.config must be a JSON object")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 1 << 63:
+            raise ConfigError(f"ModelSpec.seed must be an integer in [0, 2^63), got {self.seed!r:.40}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "family": self.family,
+            "config": self.config,
+            "input_shape": list(self.input_shape),
+            "input_dtype": self.input_dtype,
+            "seed": self.seed,
+        }
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "name": self.name,
-                "config": self.config,
-                "input_shape": list(self.input_shape),
-                "input_dtype": self.input_dtype,
-                "seed": self.seed,
-            },
-            sort_keys=True,
-        )
+        return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ModelSpec:
-        """Parses a spec a peer sent.
+        """Parses a spec a peer sent (the config is checked later, against the family).
 
         Raises:
-            ConfigError: not JSON, too large, or a field of the wrong type.
+            ConfigError: not JSON, too large or deep, or a field of the wrong type.
         """
-        body = load_json_object(text, "model spec", _MAX_SPEC_BYTES)
+        return cls.from_dict(load_json_object(text, "model spec", MAX_SPEC_BYTES))
+
+    @classmethod
+    def from_dict(cls, body: object) -> ModelSpec:
+        """A spec from decoded JSON (ConfigError on a missing or mistyped field)."""
+        if not isinstance(body, dict):
+            raise ConfigError("a model spec must be a JSON object")
+        shape = body.get("input_shape")
+        if not isinstance(shape, list):
+            raise ConfigError(f"model spec input_shape must be a list, got {shape!r:.40}")
         try:
             return cls(
-                name=body["name"],
+                family=body["family"],
                 config=body.get("config", {}),
-                input_shape=tuple(body["input_shape"]),
+                input_shape=tuple(shape),
                 input_dtype=body.get("input_dtype", "int64"),
-                seed=int(body.get("seed", 0)),
+                seed=body.get("seed", 0),
             )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"model spec misses or mistypes a field: {e!r}") from e
+        except KeyError as e:
+            raise ConfigError(f"model spec misses the field {e}") from e
 
-    def factory(self) -> Callable[..., torch.nn.Module]:
-        if self.name in _REGISTRY:
-            return _REGISTRY[self.name]
-        module_name, _, attr = self.name.partition(":")
-        if not attr:
-            raise ConfigError(
-                f"unknown model {self.name!r}: not in {sorted(_REGISTRY)} and not 'module:attr'"
-            )
-        try:
-            return getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise ConfigError(f"cannot import model factory {self.name!r}: {e}") from e
+    def resolve(self, registry: ModelRegistry | None = None) -> tuple[ModelFamily, dict[str, Any]]:
+        """The family (from ``registry``; default: built-ins and installed entry points) and
+        the config validated against it.
 
-    def build(self) -> torch.nn.Module:
-        """The model with its initial weights (seeded, so identical on every peer)."""
-        factory = self.factory()
+        Raises:
+            UnknownModelError: the family is not in the registry.
+            ConfigError: the config breaks the family's schema.
+        """
+        family = (registry or ModelRegistry()).resolve(self.family)
+        return family, family.validate(self.config)
+
+    def build(self, registry: ModelRegistry | None = None) -> torch.nn.Module:
+        """The model with its initial weights (seeded, so identical on every peer).
+
+        Raises:
+            UnknownModelError / ConfigError: see ``resolve``.
+        """
+        family, config = self.resolve(registry)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            try:
-                return factory(**self.config)
-            except TypeError as e:
-                raise ConfigError(f"model {self.name!r} rejects its config: {e}") from e
+            return family.build(config)
 
     def example_input(self) -> torch.Tensor:
         return torch.zeros(self.input_shape, dtype=_INPUT_DTYPES[self.input_dtype])
 
     @property
     def strip_prefix(self) -> str:
-        return "model." if self.name in ("gpt2", "llama") else ""
+        """The wrapper prefix dropped from module paths (built-in causal LMs: ``"model."``)."""
+        return _STRIP.get(self.family, "")
 
     @property
     def input_numel(self) -> int:

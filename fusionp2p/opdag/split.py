@@ -24,6 +24,7 @@ outputs, which only it sees).
 from __future__ import annotations
 
 import hashlib
+import math
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -50,6 +51,10 @@ class ValueInfo:
     @property
     def is_float(self) -> bool:
         return self.dtype in ("float32", "float16", "bfloat16", "float64")
+
+    def numel_bytes(self) -> int:
+        """Bytes of the dense tensor."""
+        return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fusionp2p.opdag.ir import OpDag, OpNode
 
-__all__ = ["CausalLMWrapper", "TracedModel", "coarsen", "trace_module"]
+if TYPE_CHECKING:
+    from fusionp2p.opdag.families import ModelRegistry
+    from fusionp2p.opdag.spec import ModelSpec
+
+__all__ = ["CausalLMWrapper", "TracedModel", "coarsen", "trace_module", "trace_spec"]
 
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"}
 _VIEWS = {
@@ -168,6 +172,29 @@ def trace_module(
             )
         )
     return TracedModel(program, OpDag(tuple(nodes), name=name or type(module).__name__))
+
+
+def trace_spec(spec: ModelSpec, registry: ModelRegistry | None = None, *, fake: bool = False) -> TracedModel:
+    """Builds ``spec``'s model from ``registry`` and traces it.
+
+    ``fake=True`` builds and traces under a ``FakeTensorMode``: no parameter or
+    activation is allocated, yet the graph, its fingerprint and every size are those of
+    the real model, so a peer can learn what a stage needs before it allocates anything.
+
+    Raises:
+        UnknownModelError / ConfigError: see ``ModelSpec.resolve``.
+    """
+    family, _ = spec.resolve(registry)
+    if not fake:
+        return trace_module(
+            spec.build(registry), [spec.example_input()], name=spec.family, strip_prefix=family.strip_prefix
+        )
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        module = spec.build(registry)
+        example = spec.example_input()
+    return trace_module(module, [example], name=spec.family, strip_prefix=family.strip_prefix)
 
 
 def coarsen(dag: OpDag, depth: int) -> OpDag:

@@ -4,7 +4,12 @@
 - ``executor.py``: the framework-neutral Executor interface (OpData in, OpData out, step, state).
 - ``torch_executor.py``: the PyTorch executor: a stage's segments with real autograd.
 - ``tensor_wire.py``: tensors as OpData bodies (dense or Top-K).
-- ``service.py``: the exec protocol that feeds an executor over frame streams.
+- ``memory.py``: what a stage will hold in memory, computed before anything is allocated.
+- ``engines.py``: building a stage's executor from a setup (memory check first).
+- ``job_setup.py``: JobSetup, what a data owner sends a peer to run one stage.
+- ``codec.py``: exec protocol messages, and ExecClient (one request stream to a peer).
+- ``jobs.py``: one job's state on a serving peer and its outgoing OpData streams.
+- ``service.py``: the exec protocol server: authorization, limits, the compute queue.
 - ``driver.py``: the data owner's PipelineDriver: sets a job up and drives iterations.
 """
 

@@ -12,29 +12,48 @@ optimizer ran. Inputs, labels and the loss never leave this process.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import safetensors.torch
 import torch
 
-from fusionp2p.config import OptimizerConfig
+from fusionp2p.config import ExecLimits, OptimizerConfig
 from fusionp2p.errors import ConfigError, ProtocolError
 from fusionp2p.net.framing import FrameKind
-from fusionp2p.net.transport import FrameStream, Transport
+from fusionp2p.net.transport import Transport
+from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.opdag.split import Partition, balanced_assignment, op_node_names, partition
-from fusionp2p.opdag.trace import TracedModel, trace_module
+from fusionp2p.opdag.trace import TracedModel, trace_spec
 from fusionp2p.records import ExecControl
-from fusionp2p.runtime.service import EXEC_PROTOCOL, ExecutorService, JobSetup, request, unpack_message
+from fusionp2p.runtime.codec import CONTROL_REPLY_BYTES, ExecClient, unpack_message
+from fusionp2p.runtime.job_setup import JobSetup
+from fusionp2p.runtime.service import ExecutorService, ServicePolicy
 from fusionp2p.runtime.torch_executor import LOSSES, TorchExecutor
 
 __all__ = ["PipelineDriver"]
 
 logger = logging.getLogger(__name__)
+
+_SAFETENSORS_SLACK = 64 << 10  # header of a safetensors blob, beyond its tensors' bytes
+
+
+def _chunks(tensors: Mapping[str, torch.Tensor], limit: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Groups tensors into chunks of at most ``limit`` bytes (a larger tensor goes alone)."""
+    chunk: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if chunk and size + nbytes > limit:
+            yield chunk
+            chunk, size = {}, 0
+        chunk[name] = tensor
+        size += nbytes
+    if chunk:
+        yield chunk
 
 
 class PipelineDriver:
@@ -47,8 +66,8 @@ class PipelineDriver:
         traced: TracedModel,
         part: Partition,
         setups: list[JobSetup],
-        streams: dict[int, FrameStream],
-        timeout: float,
+        clients: dict[int, ExecClient],
+        limits: ExecLimits,
     ) -> None:
         self.service = service
         self.executor = executor
@@ -56,9 +75,8 @@ class PipelineDriver:
         self.partition = part
         self.setups = setups
         self.iteration = 0
-        self._streams = streams
-        self._locks = {stage: asyncio.Lock() for stage in streams}
-        self._timeout = timeout
+        self._clients = clients
+        self._limits = limits
         self._input_name = next(s for s in part.segments if s.kind == "source").nodes[0]
 
     @property
@@ -84,17 +102,22 @@ class PipelineDriver:
         ratios: Mapping[int, float] | None = None,
         timeout: float = 120.0,
         job: str | None = None,
+        registry: ModelRegistry | None = None,
+        limits: ExecLimits | None = None,
     ) -> PipelineDriver:
         """Traces and splits the model, and sets up every stage.
 
         ``peers[s]`` is ``(peer id, multiaddrs)`` of stage ``s``'s owner; the data
         stage's entry is this process (its peer id must be the transport's). Without an
         ``assignment`` (a stage per operator node) the stages get contiguous pieces of equal
-        forward FLOPs.
+        forward FLOPs. ``registry`` builds the model here (default: the built-in families,
+        installed entry points and ``spec.family`` itself if it is an import path, since
+        this process chose it); every stage peer builds it from its own registry.
 
         Raises:
-            ConfigError: a bad assignment, loss or peer list.
-            ProtocolError / PeerUnreachableError: a stage refused its setup or is unreachable.
+            ConfigError: a bad assignment, loss, peer list or model config.
+            ProtocolError / PeerUnreachableError: a stage refused its setup (the peer's
+                reason is in the message) or is unreachable.
         """
         if loss not in LOSSES:
             raise ConfigError(f"loss must be one of {sorted(LOSSES)}, got {loss!r}")
@@ -102,10 +125,13 @@ class PipelineDriver:
         if not 0 <= data_stage < n_stages or peers[data_stage][0] != transport.peer_id:
             raise ConfigError(f"stage {data_stage} must be this data owner ({transport.peer_id[:12]})")
         optimizer = optimizer or OptimizerConfig()
+        limits = limits or ExecLimits()
+        registry = registry or ModelRegistry.for_data_owner(spec.family)
+        spec.resolve(registry)  # an unknown family or a bad config fails here, before any peer hears of it
         job = job or uuid.uuid4().hex[:12]
 
         def trace() -> tuple[TracedModel, Partition]:
-            traced = trace_module(spec.build(), [spec.example_input()], strip_prefix=spec.strip_prefix)
+            traced = trace_spec(spec, registry)
             stages = assignment
             if stages is None:
                 stages = balanced_assignment([n.fwd_flops for n in traced.dag.nodes], n_stages)
@@ -115,13 +141,12 @@ class PipelineDriver:
         for note in part.moved:
             logger.info("assignment adjusted: %s", note)
         ops = op_node_names(traced.program.graph)
-        stage_list = tuple(part.stage_of[n] for n in ops)
         ratio_items = tuple(sorted((ratios or {}).items()))
         setups = [
             JobSetup(
                 job=job,
-                spec_json=spec.to_json(),
-                assignment=stage_list,
+                spec=spec,
+                assignment=tuple(part.stage_of[n] for n in ops),
                 n_stages=n_stages,
                 stage=s,
                 data_stage=data_stage,
@@ -143,18 +168,20 @@ class PipelineDriver:
             loss_fn=LOSSES[loss],
             ratios=dict(ratio_items),
         )
-        service = await ExecutorService(transport, timeout=timeout).start()
-        service.install(executor, setups[data_stage])
-        streams: dict[int, FrameStream] = {}
-        driver = cls(service, executor, traced, part, setups, streams, timeout)
+        policy = ServicePolicy(accept_setups=False, max_jobs=1, limits=limits, timeout=timeout)
+        service = await ExecutorService(transport, policy).start()
+        service.install(executor, setups[data_stage], owner=transport.peer_id)
+        clients = {
+            s: ExecClient(transport, peer_id, timeout=timeout)
+            for s, (peer_id, _) in enumerate(peers)
+            if s != data_stage
+        }
+        driver = cls(service, executor, traced, part, setups, clients, limits)
         try:
             for s, (peer_id, maddrs) in enumerate(peers):
-                if s != data_stage:
-                    if maddrs:
-                        await transport.connect(peer_id, maddrs, timeout=timeout)
-                    streams[s] = await transport.open(peer_id, EXEC_PROTOCOL, timeout=timeout)
-            driver._locks = {stage: asyncio.Lock() for stage in streams}
-            await asyncio.gather(*(driver._setup_stage(s) for s in streams))
+                if s != data_stage and maddrs:
+                    await transport.connect(peer_id, maddrs, timeout=timeout)
+            await asyncio.gather(*(driver._setup_stage(s) for s in clients))
         except BaseException:
             await driver.aclose()
             raise
@@ -167,23 +194,22 @@ class PipelineDriver:
         )
         return driver
 
-    async def _setup_stage(self, stage: int) -> None:
-        setup = self.setups[stage]
-        body = setup.to_json()
-        await self._control(stage, ExecControl(command="setup", job=self.job, body_bytes=len(body)), body)
+    def _stage_weights(self, stage: int) -> dict[str, torch.Tensor]:
         state = self.traced.program.state_dict
         trainable = set(self.traced.program.graph_signature.inputs_to_parameters.values())
-        weights = {
+        return {
             name: state[name].detach().contiguous()
             for name in self.partition.params[stage]
             if name in trainable
         }
-        data = safetensors.torch.save(weights)
-        await self._control(stage, ExecControl(command="weights", job=self.job, body_bytes=len(data)), data)
 
-    async def _control(self, stage: int, header: ExecControl, body: bytes = b"") -> tuple[FrameKind, bytes]:
-        async with self._locks[stage]:
-            return await request(self._streams[stage], header, body, timeout=self._timeout)
+    async def _setup_stage(self, stage: int) -> None:
+        body = self.setups[stage].to_json()
+        client = self._clients[stage]
+        await client.request(ExecControl(command="setup", job=self.job, body_bytes=len(body)), body)
+        for chunk in _chunks(self._stage_weights(stage), self._limits.weights_chunk_bytes):
+            data = safetensors.torch.save(chunk)
+            await client.request(ExecControl(command="weights", job=self.job, body_bytes=len(data)), data)
 
     async def run_iteration(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
         """Forward and backward of one iteration's micro-batches on every stage; the losses.
@@ -195,24 +221,21 @@ class PipelineDriver:
         if len(batches) != self.n_micro_batches:
             raise ValueError(f"expected {self.n_micro_batches} micro-batches, got {len(batches)}")
         for m, (inputs, labels) in enumerate(batches):
-            self.service.submit(
-                functools.partial(self.executor.start, self.iteration, m, {self._input_name: inputs}, labels)
+            start = functools.partial(
+                self.executor.start, self.iteration, m, {self._input_name: inputs}, labels
             )
-        await self.service.wait_ready(self.iteration, self.n_micro_batches)
+            await self.service.submit(self.job, start)
+        await self.service.wait_ready(self.job)
         return [self.executor.losses[m] for m in range(self.n_micro_batches)]
 
     async def step(self) -> None:
         """Every stage applies its optimizer once its backward of this iteration finished."""
-        iteration = self.iteration
         header = ExecControl(
-            command="step", job=self.job, iteration=iteration, n_micro_batches=self.n_micro_batches
+            command="step", job=self.job, iteration=self.iteration, n_micro_batches=self.n_micro_batches
         )
-
-        async def local() -> None:
-            await self.service.wait_ready(iteration, self.n_micro_batches)
-            await self.service.in_pool(functools.partial(self.executor.step, iteration))
-
-        await asyncio.gather(local(), *(self._control(s, header) for s in self._streams))
+        await asyncio.gather(
+            self.service.step(self.job), *(client.request(header) for client in self._clients.values())
+        )
         self.iteration += 1
 
     async def train_step(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -223,6 +246,8 @@ class PipelineDriver:
 
     async def fetch(self, what: str) -> dict[str, torch.Tensor]:
         """Every stage's parameters (``"params"``) or this iteration's gradients (``"grads"``)."""
+        if what not in ("params", "grads"):
+            raise ValueError(f"fetch 'params' or 'grads', not {what!r}")
         header = ExecControl(
             command="fetch",
             job=self.job,
@@ -231,20 +256,44 @@ class PipelineDriver:
             n_micro_batches=self.n_micro_batches,
         )
         if what == "grads":
-            await self.service.wait_ready(self.iteration, self.n_micro_batches)
+            await self.service.wait_ready(self.job)
         local = self.executor.grads() if what == "grads" else self.executor.state_dict()
         merged = dict(safetensors.torch.load(local))
-        replies = await asyncio.gather(*(self._control(s, header) for s in self._streams))
-        for kind, payload in replies:
+
+        async def remote(stage: int, client: ExecClient) -> dict[str, torch.Tensor]:
+            weights = self._stage_weights(stage)
+            limit = sum(t.numel() * t.element_size() for t in weights.values()) + _SAFETENSORS_SLACK
+            kind, payload = await client.request(header, max_reply=limit + CONTROL_REPLY_BYTES)
             if kind is not FrameKind.DATA:
-                raise ProtocolError(f"fetch {what}: expected DATA, got {kind.name}")
+                raise ProtocolError(f"fetch {what} from stage {stage}: expected DATA, got {kind.name}")
             _, body = unpack_message(payload)
-            merged.update(safetensors.torch.load(body))
+            try:
+                tensors = safetensors.torch.load(bytes(body))
+            except Exception as e:
+                raise ProtocolError(
+                    f"fetch {what} from stage {stage}: not safetensors: {str(e)[:200]}"
+                ) from e
+            wrong = {n for n, t in tensors.items() if n not in weights or t.shape != weights[n].shape}
+            if wrong:
+                raise ProtocolError(
+                    f"fetch {what} from stage {stage}: unexpected tensors {sorted(wrong)[:3]}"
+                )
+            return tensors
+
+        for tensors in await asyncio.gather(*(remote(s, c) for s, c in self._clients.items())):
+            merged.update(tensors)
         return merged
 
     async def aclose(self) -> None:
-        for stream in self._streams.values():
-            with contextlib.suppress(Exception):
-                await stream.send(FrameKind.END, timeout=2.0)
-            await stream.close()
+        """Tears the job down on every stage (best effort) and stops serving it here."""
+        teardown = ExecControl(command="teardown", job=self.job)
+
+        async def end(client: ExecClient) -> None:
+            try:
+                await asyncio.wait_for(client.request(teardown), 10.0)
+            except Exception as e:  # the stage may be gone; it frees the job on its own then
+                logger.debug("teardown of job %s at %s: %s", self.job, client.peer_id[:12], e)
+            await client.aclose()
+
+        await asyncio.gather(*(end(c) for c in self._clients.values()))
         await self.service.aclose()

@@ -33,11 +33,12 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def check(self, header: OpData) -> None:
-        """Cheap validation before the body is read.
+        """Cheap validation before the body is read, against the job's fixed plan only (it
+        may run while the compute thread works; the iteration is checked by the caller).
 
         Raises:
-            ProtocolError: wrong job, iteration, micro-batch, stage, producer, consumers,
-                shape, dtype or body size.
+            ProtocolError: wrong job, micro-batch, stage, producer, consumers, shape,
+                dtype or body size.
         """
 
     @abc.abstractmethod
@@ -66,10 +67,19 @@ class Executor(abc.ABC):
         """The gradients accumulated in this iteration, as safetensors bytes."""
 
     @abc.abstractmethod
-    def load_state(self, data: bytes) -> None:
-        """Loads this stage's parameters from safetensors bytes.
+    def load_state(self, data: bytes) -> int:
+        """Loads some of this stage's parameters from safetensors bytes (a state may come
+        in several chunks); returns how many were loaded.
 
         Raises:
-            ProtocolError: a name this stage does not own, a wrong shape or dtype, or a
-                parameter missing.
+            ProtocolError: not safetensors, a name this stage does not own, or a wrong
+                shape or dtype; nothing is loaded then.
         """
+
+    @abc.abstractmethod
+    def max_message_bytes(self) -> int:
+        """The largest OpData body any stage of this job may send (the inbound size limit)."""
+
+    @abc.abstractmethod
+    def state_sizes(self) -> dict[str, int]:
+        """Bytes of each of this stage's parameters, by name (what ``load_state`` accepts)."""

@@ -1,16 +1,19 @@
-"""Serves an executor on the exec protocol: OpData and control messages over frame streams.
+"""Serves stages of jobs on the exec protocol: who may ask what, how much, and the compute queue.
 
-    message = header_len:u16 | header (an OpData or ExecControl record) | body
+Authorization comes from the stream's authenticated remote PeerID, never from a field a
+message claims: a job belongs to the peer that set it up (which must be its data owner),
+and only that owner may send its weights, step it, fetch from it or tear it down; OpData
+is taken only from the peers its setup names for the neighbouring stages. A peer runs
+at most ``max_jobs`` jobs and never replaces one; ``accept_jobs_from`` makes it private.
 
-Every message gets one reply frame: ACK, ERROR (a UTF-8 reason) or DATA (a fetch). An
-OpData is validated (``Executor.check``) and queued before the ACK, never computed while
-the sender waits, so two stages sending to each other cannot deadlock. One worker task
-feeds the queue to the executor in a single compute thread; what it returns goes to one
-outbox per destination stage, whose sender keeps a long-lived stream to that stage.
-
-Setup (the job's model spec, the assignment, the stage peers) builds the executor here
-from the spec: the model is traced on this peer, and the data owner's graph fingerprint
-must match it. Weights arrive as safetensors bytes.
+Every message is read in three steps, so nothing is buffered before it is allowed: the
+frame header (length against the largest message this peer could accept now), the
+message header (who, what, which edge), then the body, whose bytes are first reserved
+in an ``InboundBudget``. Anything over a limit gets an ERROR reply naming it and the
+stream is closed; a refused but well-framed request gets its ERROR and the stream lives
+on. An OpData is acknowledged only after every check, duplicates included; it is then
+queued (bounded) for the single compute thread, never computed while its sender waits,
+so two stages sending to each other cannot deadlock.
 """
 
 from __future__ import annotations
@@ -18,427 +21,422 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
-import struct
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from dataclasses import dataclass, field
+from typing import TypeVar
 
-from fusionp2p.config import OptimizerConfig, load_json_object
-from fusionp2p.errors import ConfigError, FusionP2PError, PeerUnreachableError, ProtocolError, RecordError
+from fusionp2p.config import ExecLimits, format_bytes
+from fusionp2p.errors import FusionP2PError, LimitError, PeerUnreachableError, ProtocolError
 from fusionp2p.net.framing import FrameKind
+from fusionp2p.net.limits import InboundBudget, RejectionLog, Reservation, StreamGate
 from fusionp2p.net.transport import FrameStream, Transport
-from fusionp2p.opdag.spec import ModelSpec
-from fusionp2p.opdag.split import partition
-from fusionp2p.opdag.trace import trace_module
-from fusionp2p.records import ExecControl, OpData, decode_record
+from fusionp2p.opdag.families import ModelRegistry
+from fusionp2p.records import MAX_RECORD_BYTES, ExecControl, OpData
+from fusionp2p.runtime.codec import EXEC_PROTOCOL, ExecHeader, pack_message, read_message_header
+from fusionp2p.runtime.engines import BuildStage, build_torch_stage
 from fusionp2p.runtime.executor import Executor, Message
-from fusionp2p.runtime.torch_executor import TorchExecutor
+from fusionp2p.runtime.job_setup import JobSetup
+from fusionp2p.runtime.jobs import Job, Work, opdata_key
 
-__all__ = [
-    "EXEC_PROTOCOL",
-    "ExecutorService",
-    "JobSetup",
-    "pack_message",
-    "request",
-    "unpack_message",
-]
+__all__ = ["ExecutorService", "ServicePolicy"]
 
 logger = logging.getLogger(__name__)
 
-EXEC_PROTOCOL = "/fusionp2p/exec/1"
-_LEN = struct.Struct("!H")
-DEFAULT_MAX_MESSAGE = 512 << 20
-_MAX_SETUP = 4 << 20
 T = TypeVar("T")
+_REAP_PERIOD = 5.0
 
 
-def pack_message(header: OpData | ExecControl, body: bytes = b"") -> bytes:
-    wire = header.to_wire()
-    return _LEN.pack(len(wire)) + wire + body
+@dataclass(frozen=True, kw_only=True)
+class ServicePolicy:
+    """Who may use this process's exec protocol, and how much of it."""
 
-
-def unpack_message(payload: bytes) -> tuple[OpData | ExecControl, bytes]:
-    """Splits a message and decodes its header.
-
-    Raises:
-        ProtocolError: too short, a header that is not an OpData or ExecControl record, or
-            a body whose length disagrees with the header.
-    """
-    if len(payload) < _LEN.size:
-        raise ProtocolError(f"message of {len(payload)} bytes has no header")
-    (size,) = _LEN.unpack_from(payload)
-    if _LEN.size + size > len(payload):
-        raise ProtocolError(f"header of {size} bytes in a message of {len(payload)}")
-    try:
-        header = decode_record(payload[_LEN.size : _LEN.size + size])
-    except RecordError as e:
-        raise ProtocolError(f"bad message header: {e}") from e
-    if not isinstance(header, (OpData, ExecControl)):
-        raise ProtocolError(f"a {header.KIND!r} record is not an exec message")
-    body = payload[_LEN.size + size :]
-    if len(body) != header.body_bytes:
-        raise ProtocolError(f"body of {len(body)} bytes, header says {header.body_bytes}")
-    return header, body
-
-
-async def request(
-    stream: FrameStream, header: OpData | ExecControl, body: bytes = b"", *, timeout: float
-) -> tuple[FrameKind, bytes]:
-    """Sends one message and returns the reply frame (ERROR raises ProtocolError)."""
-    await stream.send(FrameKind.DATA, pack_message(header, body), timeout=timeout)
-    kind, reply = await stream.recv(max_payload=DEFAULT_MAX_MESSAGE, timeout=timeout)
-    if kind is FrameKind.ERROR:
-        raise ProtocolError(
-            f"stage peer {stream.remote[:12]} refused {header.KIND}: {reply.decode(errors='replace')}"
-        )
-    return kind, reply
-
-
-@dataclass(frozen=True)
-class JobSetup:
-    """What a stage needs to build its executor (the body of a ``setup`` control message).
-
-    JSON, not a msgpack record: the assignment has one entry per operator node, far more
-    than a record holds. It carries its own schema version ``v`` all the same.
-    """
-
-    VERSION: ClassVar[int] = 1
-
-    job: str
-    spec_json: str  # ModelSpec.to_json()
-    assignment: tuple[int, ...]  # a stage per operator node, in graph order
-    n_stages: int
-    stage: int
-    data_stage: int
-    peers: tuple[tuple[str, tuple[str, ...]], ...]  # per stage: (peer id, multiaddrs)
-    n_micro_batches: int
-    optimizer: OptimizerConfig
-    fingerprint: str  # of the data owner's traced graph
-    ratios: tuple[tuple[int, float], ...] = ()  # Top-K ratio per destination stage
-
-    def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "v": self.VERSION,
-                "job": self.job,
-                "spec": self.spec_json,
-                "assignment": list(self.assignment),
-                "n_stages": self.n_stages,
-                "stage": self.stage,
-                "data_stage": self.data_stage,
-                "peers": [[p, list(m)] for p, m in self.peers],
-                "n_micro_batches": self.n_micro_batches,
-                "optimizer": self.optimizer.to_dict(),
-                "fingerprint": self.fingerprint,
-                "ratios": [[s, r] for s, r in self.ratios],
-            }
-        ).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> JobSetup:
-        """Raises ConfigError on anything malformed (it comes from another peer)."""
-        body = load_json_object(data, "setup", _MAX_SETUP)
-        version = body.get("v")
-        if not isinstance(version, int) or not 1 <= version <= cls.VERSION:
-            raise ConfigError(f"setup schema version {version!r:.20}, this peer reads 1..{cls.VERSION}")
-        try:
-            setup = cls(
-                job=str(body["job"]),
-                spec_json=str(body["spec"]),
-                assignment=tuple(int(s) for s in body["assignment"]),
-                n_stages=int(body["n_stages"]),
-                stage=int(body["stage"]),
-                data_stage=int(body["data_stage"]),
-                peers=tuple((str(p), tuple(str(m) for m in maddrs)) for p, maddrs in body["peers"]),
-                n_micro_batches=int(body["n_micro_batches"]),
-                optimizer=OptimizerConfig.from_dict(body["optimizer"]),
-                fingerprint=str(body["fingerprint"]),
-                ratios=tuple((int(s), float(r)) for s, r in body.get("ratios", [])),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"setup misses or mistypes a field: {e!r}") from e
-        if len(setup.peers) != setup.n_stages or not 0 <= setup.stage < setup.n_stages:
-            raise ConfigError(
-                f"setup has {len(setup.peers)} peers for {setup.n_stages} stages, stage {setup.stage}"
-            )
-        if setup.n_micro_batches < 1 or any(r < 1 for _, r in setup.ratios):
-            raise ConfigError("setup needs n_micro_batches >= 1 and ratios >= 1")
-        return setup
-
-
-def build_torch_executor(setup: JobSetup) -> Executor:
-    """Traces the spec here, checks the fingerprint and builds this stage's executor."""
-    spec = ModelSpec.from_json(setup.spec_json)
-    traced = trace_module(spec.build(), [spec.example_input()], strip_prefix=spec.strip_prefix)
-    part = partition(traced.program, setup.assignment, setup.n_stages, data_stage=setup.data_stage)
-    if part.fingerprint != setup.fingerprint:
-        raise ConfigError(
-            f"model {spec.name!r} traced to graph {part.fingerprint} here but {setup.fingerprint} at the "
-            "data owner (different torch/transformers versions?)"
-        )
-    return TorchExecutor(
-        traced.program,
-        part,
-        setup.stage,
-        job=setup.job,
-        n_micro_batches=setup.n_micro_batches,
-        optimizer=setup.optimizer,
-        ratios=dict(setup.ratios),
-    )
+    accept_setups: bool = True  # False in a data owner's process: it runs only its own stage
+    max_jobs: int = 1  # jobs at once; a setup beyond this is refused, never replaces one
+    accept_jobs_from: frozenset[str] = frozenset()  # PeerIDs that may set jobs up; empty: anyone
+    max_memory_bytes: int | None = None  # what one stage may need; None: 80% of free memory
+    limits: ExecLimits = field(default_factory=ExecLimits)
+    timeout: float = 60.0  # one remote request, or waiting for this stage to finish an iteration
 
 
 class ExecutorService:
-    """Serves one executor at a time on ``transport`` (a new setup replaces the old job)."""
+    """Serves jobs' stages on ``transport``. Create with ``await ExecutorService(...).start()``."""
 
     def __init__(
         self,
         transport: Transport,
+        policy: ServicePolicy | None = None,
         *,
-        build: Callable[[JobSetup], Executor] = build_torch_executor,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE,
-        timeout: float = 60.0,
-        idle_timeout: float = 3600.0,
+        registry: ModelRegistry | None = None,
+        build: BuildStage = build_torch_stage,
+        gate: StreamGate | None = None,
     ) -> None:
         self.transport = transport
-        self.executor: Executor | None = None
-        self.setup: JobSetup | None = None
-        self.failure: str | None = None  # the first error of the current iteration
+        self.policy = policy or ServicePolicy()
+        self.registry = registry or ModelRegistry(entry_points=False)
+        self.jobs: dict[str, Job] = {}
+        self.rejected = 0  # messages refused with an ERROR reply
+        limits = self.policy.limits
         self._build = build
-        self._max_message = max_message_bytes
-        self._timeout = timeout
-        self._idle_timeout = idle_timeout
+        self._gate = gate or StreamGate(per_peer=limits.streams_per_peer, total=limits.streams_total)
+        self._budget = InboundBudget(total=limits.inbound_bytes, per_peer=limits.inbound_bytes_per_peer)
+        self._inbox: asyncio.Queue[Work] = asyncio.Queue(limits.inbox_depth * self.policy.max_jobs)
+        self._setting_up: set[str] = set()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="fusionp2p-exec")
-        self._inbox: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
-        self._outboxes: dict[int, asyncio.Queue[Message]] = {}
-        self._senders: dict[int, asyncio.Task[None]] = {}
-        self._incoming: set[FrameStream] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
         self._progress = asyncio.Condition()
-        self._pending_sends = 0
-        self.rejected = 0  # OpData and control messages refused with a protocol error
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._log = RejectionLog(logger, "protocol error: rejected exec message")
 
     async def start(self) -> ExecutorService:
-        await self.transport.serve(EXEC_PROTOCOL, self._handle)
-        self._spawn(self._work(), "exec-worker")
+        await self.transport.serve(EXEC_PROTOCOL, self._serve_stream, gate=self._gate)
+        for coro, name in ((self._work(), "exec-worker"), (self._reap(), "exec-reaper")):
+            task = asyncio.create_task(coro, name=f"fusionp2p.{name}")
+            self._tasks.add(task)
         return self
 
-    def _spawn(self, coro: Any, name: str) -> None:
-        task = asyncio.create_task(coro, name=f"fusionp2p.{name}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     async def aclose(self) -> None:
-        """Stops serving the exec protocol and ends the worker and the senders."""
+        """Stops serving, ends every job's senders and the compute thread."""
         await self.transport.stop_serving(EXEC_PROTOCOL)
-        senders = list(self._senders.values())
-        self._drop_senders()
-        for task in list(self._tasks):
+        for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, *senders, return_exceptions=True)
-        for stream in list(self._incoming):
-            await stream.close()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for job in list(self.jobs.values()):
+            await self._drop(job, "this peer is shutting down")
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     async def in_pool(self, fn: Callable[[], T]) -> T:
-        """Runs ``fn`` on the compute thread (the one the executor's work runs on)."""
+        """Runs ``fn`` on the compute thread (the one every executor's work runs on)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
-    # ------------------------------------------------------------ incoming
-    async def _handle(self, stream: FrameStream) -> None:
-        self._incoming.add(stream)
-        try:
-            await self._serve_stream(stream)
-        finally:
-            self._incoming.discard(stream)
+    # ------------------------------------------------------------ reading one message
+    def _max_frame(self) -> int:
+        largest = max([self.policy.limits.control_bytes, *(j.max_body for j in self.jobs.values())])
+        return 2 + MAX_RECORD_BYTES + largest
+
+    async def _refuse(self, stream: FrameStream, reason: str, detail: str, *, close: bool) -> None:
+        self.rejected += 1
+        self._log.reject(reason, f"from {stream.remote}: {detail}" + (" (stream closed)" if close else ""))
+        with contextlib.suppress(FusionP2PError):
+            await stream.send(FrameKind.ERROR, f"{reason}: {detail}".encode()[:2000], timeout=5.0)
 
     async def _serve_stream(self, stream: FrameStream) -> None:
+        limits = self.policy.limits
+        stall = limits.stall_timeout
         while True:
             try:
-                kind, payload = await stream.recv(max_payload=self._max_message, timeout=self._idle_timeout)
-            except ProtocolError as e:
-                self.rejected += 1
-                logger.warning("protocol error: rejected exec frame from %s: %s", stream.remote[:12], e)
-                with contextlib.suppress(FusionP2PError):
-                    await stream.send(FrameKind.ERROR, str(e).encode()[:2000], timeout=self._timeout)
-                return  # the framing may be lost: drop the stream
-            except PeerUnreachableError:
-                return
-            if kind is FrameKind.END:
-                return
-            try:
+                kind, length = await stream.recv_header(timeout=limits.idle_timeout)
+                if kind is FrameKind.END:
+                    return
                 if kind is not FrameKind.DATA:
                     raise ProtocolError(f"expected a DATA frame, got {kind.name}")
-                header, body = unpack_message(payload)
+                if length > self._max_frame():
+                    return await self._refuse(
+                        stream, "oversized frame", f"{length} bytes > limit {self._max_frame()}", close=True
+                    )
+                header = await read_message_header(stream, length, stall_timeout=stall)
+            except PeerUnreachableError:
+                return  # gone, stalled, or idle past the limit
+            except ProtocolError as e:
+                return await self._refuse(stream, "malformed", str(e), close=True)
+            try:
+                limit = self._admit(stream.remote, header)
+            except FusionP2PError as e:
+                if header.body_bytes > limits.control_bytes:
+                    return await self._refuse(stream, "refused", str(e), close=True)
+                with contextlib.suppress(PeerUnreachableError):
+                    await stream.skip(header.body_bytes, stall_timeout=stall)
+                    await self._refuse(stream, "refused", str(e), close=False)
+                    continue
+                return
+            if header.body_bytes > limit:
+                detail = f"{header.KIND} body of {header.body_bytes} bytes > limit {limit}"
+                return await self._refuse(stream, "oversized body", detail, close=True)
+            try:
+                reservation = await self._budget.reserve(stream.remote, header.body_bytes, timeout=stall)
+            except LimitError as e:
+                return await self._refuse(stream, "over budget", str(e), close=True)
+            try:
+                body = await stream.recv_exactly(header.body_bytes, stall_timeout=stall)
+            except PeerUnreachableError:
+                reservation.release()
+                return
+            try:
                 if isinstance(header, OpData):
-                    self._check(header)
-                    self._inbox.put_nowait(("opdata", header, body))
-                    await stream.send(FrameKind.ACK, timeout=self._timeout)
+                    await self._take_opdata(stream.remote, header, body, reservation)
+                    reply_kind, reply = FrameKind.ACK, b""
                 else:
-                    reply_kind, reply = await self._control(header, body)
-                    await stream.send(reply_kind, reply, timeout=self._timeout)
-            except (ProtocolError, ConfigError) as e:
-                self.rejected += 1
-                logger.warning("protocol error: rejected message from %s: %s", stream.remote[:12], e)
-                await stream.send(FrameKind.ERROR, str(e).encode()[:2000], timeout=self._timeout)
+                    try:
+                        reply_kind, reply = await self._control(stream.remote, header, body)
+                    finally:
+                        reservation.release()
+            except FusionP2PError as e:
+                reservation.release()
+                await self._refuse(stream, "refused", str(e), close=False)
+                continue
+            try:
+                await stream.send(reply_kind, reply, timeout=self.policy.timeout)
+            except PeerUnreachableError:
+                return
 
-    def _check(self, header: OpData) -> None:
-        if self.executor is None:
-            raise ProtocolError("no job is set up on this peer")
-        self.executor.check(header)
+    def _job(self, name: str) -> Job:
+        job = self.jobs.get(name)
+        if job is None:
+            raise ProtocolError(f"job {name!r} is not set up on this peer")
+        return job
 
-    async def _control(self, header: ExecControl, body: bytes) -> tuple[FrameKind, bytes]:
-        if header.command == "ping":
-            return FrameKind.ACK, b""
-        if header.command == "setup":
-            setup = JobSetup.from_json(body)
-            if setup.job != header.job:
-                raise ProtocolError(f"setup body for job {setup.job!r} under header job {header.job!r}")
-            await self._install(setup)
-            return FrameKind.ACK, b""
-        executor = self.executor
-        if executor is None or header.job != executor.job:
-            raise ProtocolError(f"job {header.job!r} is not set up on this peer")
-        if header.command == "weights":
-            await self.in_pool(lambda: executor.load_state(body))
-            return FrameKind.ACK, b""
-        if header.command == "fetch":
-            if header.what == "params":
-                data = await self.in_pool(executor.state_dict)
-            elif header.what == "grads":
-                await self.wait_ready(header.iteration, header.n_micro_batches)
-                data = await self.in_pool(executor.grads)
-            else:
-                raise ProtocolError(f"cannot fetch {header.what!r}")
-            reply = ExecControl(command="fetch", job=header.job, what=header.what, body_bytes=len(data))
-            return FrameKind.DATA, pack_message(reply, data)
-        # step
-        await self.wait_ready(header.iteration, header.n_micro_batches)
-        await self.in_pool(lambda: executor.step(header.iteration))
-        return FrameKind.ACK, b""
-
-    async def _install(self, setup: JobSetup) -> None:
-        connect = getattr(self.transport, "connect", None)
-        executor = await self.in_pool(lambda: self._build(setup))
-        if connect is not None:
-            for stage, (peer_id, maddrs) in enumerate(setup.peers):
-                if stage != setup.stage and maddrs and peer_id != self.transport.peer_id:
-                    with contextlib.suppress(PeerUnreachableError):
-                        await connect(peer_id, maddrs, timeout=self._timeout)
-        self.install(executor, setup)
-
-    def install(self, executor: Executor, setup: JobSetup) -> None:
-        """Makes ``executor`` the one this service feeds (the data owner installs its own)."""
-        self._drop_senders()
-        self.executor = executor
-        self.setup = setup
-        self.failure = None
-        logger.info("stage %d of job %s set up", setup.stage, setup.job)
-
-    async def wait_ready(self, iteration: int, n_micro_batches: int) -> None:
-        """Waits until the executor finished backward for the iteration and nothing is in flight.
+    def _admit(self, remote: str, header: ExecHeader) -> int:
+        """Whether ``remote`` may send this message, and the largest body it may carry.
 
         Raises:
-            ProtocolError: a failure in this iteration, or not ready within the timeout.
+            ProtocolError / LimitError: it may not (the reason is sent back).
         """
-        executor = self.executor
-        assert executor is not None
+        if isinstance(header, OpData):
+            job = self._job(header.job)
+            setup = job.setup
+            src = header.src_stage
+            if src >= setup.n_stages or src == setup.stage or setup.peer_of(src) != remote:
+                raise ProtocolError(f"{remote[:12]} runs no stage {src} of job {job.name} that sends here")
+            if header.dst_stage != setup.stage:
+                raise ProtocolError(
+                    f"OpData for stage {header.dst_stage}; this peer runs stage {setup.stage}"
+                )
+            if header.iteration != job.iteration:
+                raise ProtocolError(f"OpData for iteration {header.iteration}; the job is at {job.iteration}")
+            job.executor.check(header)
+            if opdata_key(header) in job.seen:
+                what = f"{header.direction} OpData of {header.producer!r}, micro-batch {header.micro_batch}"
+                raise ProtocolError(f"duplicate {what}")
+            return header.body_bytes
+        command = header.command
+        if command == "ping":
+            return 0
+        if command == "setup":
+            self._admit_setup(remote, header.job)
+            return self.policy.limits.control_bytes
+        job = self._job(header.job)
+        if remote != job.owner:
+            raise ProtocolError(f"only the peer that set job {job.name} up may {command} it")
+        return job.weights_limit if command == "weights" else 0
 
-        def ready() -> bool:
-            return self.failure is not None or (
-                executor.ready_to_step(iteration, n_micro_batches)
-                and self._inbox.empty()
-                and self._pending_sends == 0
+    def _admit_setup(self, remote: str, name: str) -> None:
+        policy = self.policy
+        if not policy.accept_setups:
+            raise ProtocolError("this process runs no stages for other peers")
+        if policy.accept_jobs_from and remote not in policy.accept_jobs_from:
+            raise ProtocolError("this peer takes jobs only from its operator's list (--accept-jobs-from)")
+        if name in self.jobs or name in self._setting_up:
+            raise ProtocolError(f"job {name!r} is already set up here")
+        running = len(self.jobs) + len(self._setting_up)
+        if running >= policy.max_jobs:
+            raise LimitError(
+                f"this peer is busy: {running} job(s) running, its --max-jobs is {policy.max_jobs}"
             )
 
-        async with self._progress:
+    # ------------------------------------------------------------ OpData
+    async def _take_opdata(self, remote: str, header: OpData, body: bytes, reservation: Reservation) -> None:
+        self._admit(remote, header)  # the job may have moved on while the body arrived
+        job = self.jobs[header.job]
+        job.seen.add(opdata_key(header))
+        job.touch()
+        job.queued += 1
+        try:
+            await asyncio.wait_for(
+                self._inbox.put(Work(job, header, body, reservation=reservation)), self.policy.timeout
+            )
+        except TimeoutError:
+            job.queued -= 1
+            job.seen.discard(opdata_key(header))
+            raise LimitError(f"compute queue full for {self.policy.timeout:.0f} s") from None
+
+    async def submit(self, job_name: str, call: Callable[[], list[Message]]) -> None:
+        """Runs ``call`` on the compute thread in turn with incoming OpData; sends what it returns."""
+        job = self._job(job_name)
+        job.queued += 1
+        await self._inbox.put(Work(job, call=call))
+
+    async def _work(self) -> None:
+        while True:
+            item = await self._inbox.get()
+            job = item.job
             try:
-                await asyncio.wait_for(self._progress.wait_for(ready), self._timeout)
-            except TimeoutError:
-                raise ProtocolError(
-                    f"stage {executor.stage} did not finish iteration {iteration} in {self._timeout:.0f} s"
-                ) from None
-        if self.failure is not None:
-            raise ProtocolError(f"stage {executor.stage} failed: {self.failure}")
+                if not job.closed:
+                    await self._run(item)
+            finally:
+                job.queued -= 1
+                if item.reservation is not None:
+                    item.reservation.release()
+                await self._notify()
+
+    async def _run(self, item: Work) -> None:
+        job = item.job
+        executor, iteration, n = job.executor, job.iteration, job.setup.n_micro_batches
+        if item.call is not None:
+            step = item.call
+        else:
+            assert item.header is not None
+            step = functools.partial(executor.accept, item.header, item.body)
+
+        def run() -> tuple[list[Message], bool]:
+            return step(), executor.ready_to_step(iteration, n)
+
+        try:
+            out, job.backward_done = await self.in_pool(run)
+        except ProtocolError as e:
+            self.rejected += 1
+            job.fail(f"rejected OpData from stage {item.header.src_stage if item.header else '?'}: {e}")
+            return
+        except Exception as e:
+            logger.exception("job %s: the executor failed", job.name)
+            job.fail(f"{type(e).__name__}: {e}")
+            return
+        for message in out:
+            job.send(message, self.transport, self.policy.timeout, self._notify)
 
     async def _notify(self) -> None:
         async with self._progress:
             self._progress.notify_all()
 
-    # ------------------------------------------------------------ compute and outgoing
-    def submit(self, fn: Callable[[], list[Message]]) -> None:
-        """Runs ``fn`` on the compute thread in turn with incoming OpData; sends what it returns."""
-        self._inbox.put_nowait(("call", fn))
+    async def wait_ready(self, job_name: str) -> None:
+        """Waits until this stage finished the job's iteration: backward, queue and sends.
 
-    async def _work(self) -> None:
-        while True:
-            item = await self._inbox.get()
-            executor = self.executor
+        Raises:
+            ProtocolError: the job failed, or did not finish within the timeout.
+        """
+        job = self._job(job_name)
+        async with self._progress:
             try:
-                if item[0] == "call":
-                    out = await self.in_pool(item[1])
-                else:
-                    header, body = item[1], item[2]
-                    if executor is None:
-                        raise ProtocolError("no job is set up on this peer")
-                    out = await self.in_pool(functools.partial(executor.accept, header, body))
-                for message in out:
-                    self._outbox(message.header.dst_stage).put_nowait(message)
-                    self._pending_sends += 1
-            except ProtocolError as e:
-                self.rejected += 1
-                logger.warning("protocol error: rejected OpData: %s", e)
-            except Exception as e:
-                logger.exception("executor failed")
-                self.failure = self.failure or f"{type(e).__name__}: {e}"
-            await self._notify()
+                await asyncio.wait_for(self._progress.wait_for(job.ready), self.policy.timeout)
+            except TimeoutError:
+                raise ProtocolError(
+                    f"stage {job.setup.stage} did not finish iteration {job.iteration} of job {job.name} "
+                    f"in {self.policy.timeout:.0f} s"
+                ) from None
+        if job.failure is not None:
+            raise ProtocolError(f"stage {job.setup.stage} of job {job.name} failed: {job.failure}")
+        if job.closed:
+            raise ProtocolError(f"job {job.name} was torn down")
 
-    def _outbox(self, stage: int) -> asyncio.Queue[Message]:
-        if stage not in self._outboxes:
-            self._outboxes[stage] = asyncio.Queue()
-            self._senders[stage] = asyncio.create_task(
-                self._send_loop(stage, self._outboxes[stage]), name=f"fusionp2p.exec-send-{stage}"
-            )
-        return self._outboxes[stage]
-
-    def _drop_senders(self) -> None:
-        """Ends the streams of the previous job (their peers may have changed)."""
-        for task in self._senders.values():
-            task.cancel()
-        self._senders.clear()
-        self._outboxes.clear()
-        self._pending_sends = 0
-
-    async def _send_loop(self, stage: int, queue: asyncio.Queue[Message]) -> None:
-        stream: FrameStream | None = None
+    # ------------------------------------------------------------ control
+    async def _control(self, remote: str, header: ExecControl, body: bytes) -> tuple[FrameKind, bytes]:
+        if header.command == "ping":
+            return FrameKind.ACK, b""
+        if header.command == "setup":
+            await self._setup(remote, header.job, body)
+            return FrameKind.ACK, b""
+        job = self._job(header.job)
+        job.touch()
+        job.busy += 1
         try:
-            while True:
-                message = await queue.get()
-                try:
-                    for attempt in range(2):
-                        try:
-                            if stream is None:
-                                assert self.setup is not None
-                                peer_id = self.setup.peers[stage][0]
-                                stream = await self.transport.open(
-                                    peer_id, EXEC_PROTOCOL, timeout=self._timeout
-                                )
-                            await request(stream, message.header, message.body, timeout=self._timeout)
-                            break
-                        except PeerUnreachableError:
-                            if stream is not None:
-                                await stream.close()
-                            stream = None
-                            if attempt:
-                                raise
-                except FusionP2PError as e:
-                    logger.warning("OpData to stage %d failed: %s", stage, e)
-                    self.failure = self.failure or f"sending to stage {stage}: {e}"
-                finally:
-                    self._pending_sends -= 1
-                    await self._notify()
+            return await self._job_control(job, header, body)
         finally:
-            if stream is not None:
-                await stream.close()
+            job.busy -= 1
+            job.touch()
+
+    async def _job_control(self, job: Job, header: ExecControl, body: bytes) -> tuple[FrameKind, bytes]:
+        executor = job.executor
+        if header.command == "weights":
+            await self.in_pool(functools.partial(executor.load_state, body))
+            return FrameKind.ACK, b""
+        if header.command == "teardown":
+            await self._drop(job, "its owner tore it down")
+            return FrameKind.ACK, b""
+        if header.command == "fetch":
+            if header.what not in ("params", "grads"):
+                raise ProtocolError(f"cannot fetch {header.what!r:.40}")
+            if header.what == "grads":
+                await self.wait_ready(job.name)
+            data = await self.in_pool(executor.state_dict if header.what == "params" else executor.grads)
+            reply = ExecControl(command="fetch", job=job.name, what=header.what, body_bytes=len(data))
+            return FrameKind.DATA, pack_message(reply, data)
+        await self.step(job.name)
+        return FrameKind.ACK, b""
+
+    async def step(self, job_name: str) -> None:
+        """Once the job's iteration is done here, applies the optimizer and moves on.
+
+        Raises:
+            ProtocolError: the job failed, or its iteration did not finish in time.
+        """
+        await self.wait_ready(job_name)
+        job = self.jobs[job_name]
+        executor, iteration, n = job.executor, job.iteration, job.setup.n_micro_batches
+
+        def step() -> bool:
+            executor.step(iteration)
+            return executor.ready_to_step(iteration + 1, n)
+
+        job.backward_done = await self.in_pool(step)
+        job.iteration = iteration + 1
+        job.seen.clear()
+
+    async def _setup(self, remote: str, name: str, body: bytes) -> None:
+        self._admit_setup(remote, name)
+        setup = JobSetup.from_json(body, self.policy.limits)
+        if setup.job != name:
+            raise ProtocolError(f"setup body for job {setup.job!r} under header job {name!r}")
+        if setup.peer_of(setup.stage) != self.transport.peer_id:
+            raise ProtocolError(
+                f"setup names {setup.peer_of(setup.stage)[:12]} for stage {setup.stage}, not this peer"
+            )
+        if setup.peer_of(setup.data_stage) != remote:
+            raise ProtocolError("a job is set up by its data owner: the sender must run the data stage")
+        self._setting_up.add(name)
+        try:
+            executor = await self.in_pool(
+                functools.partial(self._build, setup, self.registry, self.policy.max_memory_bytes)
+            )
+            await self._connect(setup)
+            self.install(executor, setup, owner=remote)
+        except LimitError as e:
+            logger.warning("refused job %s from %s: %s", name, remote, e)
+            raise
+        finally:
+            self._setting_up.discard(name)
+
+    async def _connect(self, setup: JobSetup) -> None:
+        async def dial(peer_id: str, maddrs: tuple[str, ...]) -> None:
+            with contextlib.suppress(PeerUnreachableError):
+                await self.transport.connect(peer_id, maddrs, timeout=self.policy.timeout)
+
+        await asyncio.gather(
+            *(
+                dial(peer_id, maddrs)
+                for stage, (peer_id, maddrs) in enumerate(setup.peers)
+                if stage != setup.stage and maddrs and peer_id != self.transport.peer_id
+            )
+        )
+
+    def install(self, executor: Executor, setup: JobSetup, *, owner: str) -> Job:
+        """Serves ``executor`` as stage ``setup.stage`` of ``setup.job``, obeying ``owner``
+        (a data owner installs its own stage this way, with ``owner`` itself)."""
+        job = Job(setup, executor, owner, self.policy.limits)
+        job.backward_done = executor.ready_to_step(0, setup.n_micro_batches)
+        self.jobs[setup.job] = job
+        logger.info(
+            "stage %d of job %s set up for %s (inbound limit per message %s)",
+            setup.stage,
+            setup.job,
+            owner,
+            format_bytes(job.max_body),
+        )
+        return job
+
+    async def _drop(self, job: Job, why: str) -> None:
+        if self.jobs.get(job.name) is job:
+            del self.jobs[job.name]
+        await job.aclose()
+        await self._notify()
+        logger.info("job %s (stage %d) ended: %s; its memory is freed", job.name, job.setup.stage, why)
+
+    async def _reap(self) -> None:
+        """Frees jobs whose owner and neighbours went silent (a data owner that died)."""
+        limit = self.policy.limits.job_idle_timeout
+        while True:
+            await asyncio.sleep(min(_REAP_PERIOD, limit))
+            now = time.monotonic()
+            for job in list(self.jobs.values()):
+                idle = now - job.last_active
+                if job.owner != self.transport.peer_id and not job.busy and not job.queued and idle > limit:
+                    await self._drop(job, f"nothing from its owner or neighbours for {idle:.0f} s")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -10,7 +11,7 @@ from fusionp2p.compression import wire
 from fusionp2p.errors import ProtocolError, RecordError
 from fusionp2p.records import OpData, TopKHeader
 
-__all__ = ["DTYPES", "body_bytes", "decode_body", "encode_body", "encode_grad_at"]
+__all__ = ["DTYPES", "body_bytes", "decode_body", "encode_body", "encode_grad_at", "max_body_bytes"]
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -32,6 +33,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def itemsize(name: str) -> int:
     return DTYPES[name].itemsize
+
+
+def max_body_bytes(shape: tuple[int, ...], dtype: str) -> int:
+    """The largest body an OpData of such a tensor may carry: dense, or Top-K-compressed
+    (float32 values at most; sparse only when smaller than those values sent dense)."""
+    size = itemsize(dtype)
+    return math.prod(shape) * (max(size, 4) if dtype in wire.DTYPES else size)
 
 
 def body_bytes(header: OpData) -> int | None:

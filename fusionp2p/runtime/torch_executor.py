@@ -27,7 +27,14 @@ from fusionp2p.errors import ProtocolError
 from fusionp2p.opdag.split import Partition, Segment
 from fusionp2p.records import OpData
 from fusionp2p.runtime.executor import Executor, Message
-from fusionp2p.runtime.tensor_wire import body_bytes, decode_body, dtype_name, encode_body, encode_grad_at
+from fusionp2p.runtime.tensor_wire import (
+    body_bytes,
+    decode_body,
+    dtype_name,
+    encode_body,
+    encode_grad_at,
+    max_body_bytes,
+)
 
 __all__ = ["LossFn", "TorchExecutor", "classification_loss", "lm_loss"]
 
@@ -146,8 +153,6 @@ class TorchExecutor(Executor):
         p = self.partition
         if header.job != self.job:
             raise ProtocolError(f"OpData for job {header.job!r}, this executor runs {self.job!r}")
-        if header.iteration != self.iteration:
-            raise ProtocolError(f"OpData for iteration {header.iteration}, executor is at {self.iteration}")
         if not 0 <= header.micro_batch < self.n_micro_batches:
             raise ProtocolError(f"micro-batch {header.micro_batch} not in [0, {self.n_micro_batches})")
         if (
@@ -193,6 +198,12 @@ class TorchExecutor(Executor):
             raise ProtocolError(
                 f"header declares {header.body_bytes} body bytes, {header.shape} needs {expected}"
             )
+        limit = max_body_bytes(info.shape, info.dtype)
+        if header.body_bytes > limit:
+            raise ProtocolError(f"body of {header.body_bytes} bytes > limit {limit} for {header.producer!r}")
+
+    def max_message_bytes(self) -> int:
+        return max((max_body_bytes(v.shape, v.dtype) for v in self.partition.values.values()), default=0)
 
     def _reader_segment(self, value: str, stage: int, consumers: Sequence[str]) -> Segment | None:
         for seg_id in self.partition.readers.get(value, ()):
@@ -203,6 +214,8 @@ class TorchExecutor(Executor):
 
     # ----------------------------------------------------------------- data flow
     def accept(self, header: OpData, body: bytes) -> list[Message]:
+        if header.iteration != self.iteration:
+            raise ProtocolError(f"OpData for iteration {header.iteration}, executor is at {self.iteration}")
         self.check(header)
         mb = self._mbs.setdefault(header.micro_batch, _MicroBatch())
         tensor, kept = decode_body(header, body, mb.sent_kept.get((header.producer, header.src_stage)))
@@ -461,17 +474,14 @@ class TorchExecutor(Executor):
             }
         )
 
-    def load_state(self, data: bytes) -> None:
+    def load_state(self, data: bytes) -> int:
         try:
-            tensors = safetensors.torch.load(data)
+            tensors = safetensors.torch.load(bytes(data))
         except Exception as e:
-            raise ProtocolError(f"weights are not valid safetensors: {e}") from e
+            raise ProtocolError(f"weights are not valid safetensors: {str(e)[:200]}") from e
         unknown = set(tensors) - set(self.params)
-        missing = set(self.params) - set(tensors)
-        if unknown or missing:
-            raise ProtocolError(
-                f"weights of stage {self.stage}: unknown {sorted(unknown)[:3]}, missing {sorted(missing)[:3]}"
-            )
+        if unknown:
+            raise ProtocolError(f"weights of stage {self.stage}: it owns no {sorted(unknown)[:3]}")
         for name, tensor in tensors.items():
             param = self.params[name]
             if tensor.shape != param.shape or tensor.dtype != param.dtype:
@@ -481,3 +491,7 @@ class TorchExecutor(Executor):
         with torch.no_grad():
             for name, tensor in tensors.items():
                 self.params[name].copy_(tensor)
+        return len(tensors)
+
+    def state_sizes(self) -> dict[str, int]:
+        return {k: p.numel() * p.element_size() for k, p in self.params.items()}

@@ -1,0 +1,105 @@
+"""Building a stage's executor from a setup: the torch engine, with a memory check first.
+
+``build_torch_stage`` resolves the spec's family in this peer's ``ModelRegistry`` (an
+unknown family is refused, nothing is imported), traces the model under a fake tensor
+mode (nothing allocated), checks the data owner's graph fingerprint and what the stage
+would need against ``max_memory``, and only then builds the real model and the
+executor. Another engine plugs in as another function of the same signature.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from fusionp2p.config import format_bytes
+from fusionp2p.errors import ConfigError, LimitError
+from fusionp2p.opdag.families import ModelRegistry
+from fusionp2p.opdag.split import Partition, partition
+from fusionp2p.opdag.trace import TracedModel, trace_spec
+from fusionp2p.runtime.device_profile import free_memory
+from fusionp2p.runtime.executor import Executor
+from fusionp2p.runtime.job_setup import JobSetup
+from fusionp2p.runtime.memory import StageMemory, stage_memory
+from fusionp2p.runtime.torch_executor import TorchExecutor
+
+__all__ = ["DEFAULT_MEMORY_FRACTION", "BuildStage", "build_torch_stage", "memory_allowance"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MEMORY_FRACTION = 0.8  # of the device's free memory, when no --max-memory is set
+BuildStage = Callable[[JobSetup, ModelRegistry, "int | None"], Executor]
+
+
+def memory_allowance(max_memory: int | None, device: str = "cpu") -> int:
+    """Bytes a stage may need: ``max_memory``, or 80% of the device's free memory now."""
+    if max_memory is not None:
+        return max_memory
+    return int(DEFAULT_MEMORY_FRACTION * free_memory(device)[0])
+
+
+def _split(traced: TracedModel, setup: JobSetup) -> Partition:
+    part = partition(traced.program, setup.assignment, setup.n_stages, data_stage=setup.data_stage)
+    if part.fingerprint != setup.fingerprint:
+        raise ConfigError(
+            f"model {setup.spec.family!r} traced to graph {part.fingerprint} here but {setup.fingerprint} at "
+            "the data owner (different torch/transformers versions?)"
+        )
+    return part
+
+
+def _check_memory(need: StageMemory, setup: JobSetup, allowed: int) -> None:
+    if need.total > allowed:
+        raise LimitError(
+            f"stage {setup.stage} of job {setup.job} ({setup.spec.family}) needs {need.describe()}, "
+            f"more than the {format_bytes(allowed)} this peer allows (--max-memory)"
+        )
+
+
+def build_torch_stage(setup: JobSetup, registry: ModelRegistry, max_memory: int | None) -> Executor:
+    """This peer's stage of ``setup``, if its family is served here and it fits in memory.
+
+    Raises:
+        UnknownModelError: the family is not served by this peer.
+        ConfigError: the config breaks the family's schema, or the graph differs from the
+            data owner's.
+        LimitError: the stage would need more memory than allowed.
+    """
+    family, _ = setup.spec.resolve(registry)
+    allowed = memory_allowance(max_memory)
+    try:
+        fake = trace_spec(setup.spec, registry, fake=True)
+    except ConfigError:
+        raise
+    except Exception as e:  # a factory that cannot run without real tensors: measure it for real
+        logger.warning(
+            "model %r cannot be traced without allocating (%s); building it to measure", family.name, e
+        )
+        fake = None
+    if fake is not None:
+        need = stage_memory(
+            fake, _split(fake, setup), setup.stage, in_flight=setup.n_micro_batches, optimizer=setup.optimizer
+        )
+        _check_memory(need, setup, allowed)
+        del fake
+    traced = trace_spec(setup.spec, registry)
+    part = _split(traced, setup)
+    need = stage_memory(traced, part, setup.stage, in_flight=setup.n_micro_batches, optimizer=setup.optimizer)
+    _check_memory(need, setup, allowed)
+    logger.info(
+        "stage %d of job %s (%s): needs about %s of the %s allowed",
+        setup.stage,
+        setup.job,
+        family.name,
+        format_bytes(need.total),
+        format_bytes(allowed),
+    )
+    return TorchExecutor(
+        traced.program,
+        part,
+        setup.stage,
+        job=setup.job,
+        n_micro_batches=setup.n_micro_batches,
+        optimizer=setup.optimizer,
+        ratios=dict(setup.ratios),
+    )

@@ -1,0 +1,175 @@
+"""``JobSetup``: what a data owner sends a peer to make it run one stage of a job.
+
+JSON (the body of a ``setup`` control message), not a msgpack record: the assignment has
+one entry per operator node, so it travels run-length encoded (``[[stage, count], ...]``:
+a contiguous plan is a few pairs). It carries its own schema version ``v``. Everything
+in it comes from another peer, so ``from_json`` checks every size and range before
+anything is built from it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from fusionp2p.config import ExecLimits, OptimizerConfig, load_json_object
+from fusionp2p.errors import ConfigError
+from fusionp2p.opdag.spec import ModelSpec
+
+__all__ = ["JobSetup"]
+
+_JOB_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+_PEER_ID_RE = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")
+_MAX_NODES = 1 << 20
+_MAX_MADDRS = 8
+_MAX_MADDR = 256
+_MAX_MICRO_BATCHES = 4096
+_MAX_RATIO = 1e6
+
+
+def _runs(assignment: tuple[int, ...]) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for stage in assignment:
+        if runs and runs[-1][0] == stage:
+            runs[-1][1] += 1
+        else:
+            runs.append([stage, 1])
+    return runs
+
+
+def _expand(runs: Any, n_stages: int) -> tuple[int, ...]:
+    if not isinstance(runs, list):
+        raise ConfigError("setup assignment must be a list of [stage, count] pairs")
+    out: list[int] = []
+    for run in runs:
+        if (
+            not isinstance(run, list)
+            or len(run) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in run)
+        ):
+            raise ConfigError(f"setup assignment holds {run!r:.40}, not a [stage, count] pair")
+        stage, count = run
+        if not 0 <= stage < n_stages or count < 1 or len(out) + count > _MAX_NODES:
+            raise ConfigError(f"setup assignment run {run!r:.40} is out of range ({n_stages} stages)")
+        out.extend([stage] * count)
+    return tuple(out)
+
+
+def _int(body: dict[str, Any], key: str, low: int, high: int) -> int:
+    value = body.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ConfigError(f"setup {key} must be an integer in [{low}, {high}], got {value!r:.40}")
+    return value
+
+
+def _str(body: dict[str, Any], key: str, pattern: re.Pattern[str]) -> str:
+    value = body.get(key)
+    if not isinstance(value, str) or not pattern.match(value):
+        raise ConfigError(f"setup {key} is malformed: {value!r:.80}")
+    return value
+
+
+def _peers(value: Any, n_stages: int) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    if not isinstance(value, list) or len(value) != n_stages:
+        raise ConfigError(f"setup peers must list {n_stages} [peer id, multiaddrs] pairs")
+    peers = []
+    for item in value:
+        if not isinstance(item, list) or len(item) != 2 or not isinstance(item[1], list):
+            raise ConfigError(f"setup peers holds {item!r:.80}, not a [peer id, multiaddrs] pair")
+        peer_id, maddrs = item
+        if not isinstance(peer_id, str) or not _PEER_ID_RE.match(peer_id):
+            raise ConfigError(f"setup peer id {peer_id!r:.80} is not a base58 PeerID")
+        if len(maddrs) > _MAX_MADDRS or any(
+            not isinstance(m, str) or not m.startswith("/") or len(m) > _MAX_MADDR for m in maddrs
+        ):
+            raise ConfigError(f"setup multiaddrs of {peer_id[:12]}: <= {_MAX_MADDRS} '/...' strings")
+        peers.append((peer_id, tuple(maddrs)))
+    return tuple(peers)
+
+
+def _ratios(value: Any, n_stages: int) -> tuple[tuple[int, float], ...]:
+    if not isinstance(value, list) or len(value) > n_stages:
+        raise ConfigError(f"setup ratios must be at most {n_stages} [stage, ratio] pairs")
+    out = []
+    for item in value:
+        if not isinstance(item, list) or len(item) != 2:
+            raise ConfigError(f"setup ratios holds {item!r:.40}, not a [stage, ratio] pair")
+        stage, ratio = item
+        if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage < n_stages:
+            raise ConfigError(f"setup ratio for stage {stage!r:.20} of {n_stages}")
+        if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not math.isfinite(ratio):
+            raise ConfigError(f"setup ratio {ratio!r:.20} is not a finite number")
+        if not 1 <= ratio <= _MAX_RATIO:
+            raise ConfigError(f"setup ratio {ratio} not in [1, {_MAX_RATIO:g}]")
+        out.append((stage, float(ratio)))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class JobSetup:
+    """Everything a stage needs to build its executor."""
+
+    VERSION: ClassVar[int] = 2
+
+    job: str  # 1-64 letters, digits, '-' or '_'
+    spec: ModelSpec
+    assignment: tuple[int, ...]  # a stage per operator node, in graph order
+    n_stages: int
+    stage: int  # the stage the receiving peer runs
+    data_stage: int  # the data owner's stage: raw inputs and the loss
+    peers: tuple[tuple[str, tuple[str, ...]], ...]  # per stage: (peer id, multiaddrs)
+    n_micro_batches: int
+    optimizer: OptimizerConfig
+    fingerprint: str  # of the data owner's traced graph
+    ratios: tuple[tuple[int, float], ...] = ()  # Top-K ratio per destination stage
+
+    def peer_of(self, stage: int) -> str:
+        return self.peers[stage][0]
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "v": self.VERSION,
+                "job": self.job,
+                "spec": self.spec.to_dict(),
+                "assignment": _runs(self.assignment),
+                "n_stages": self.n_stages,
+                "stage": self.stage,
+                "data_stage": self.data_stage,
+                "peers": [[p, list(m)] for p, m in self.peers],
+                "n_micro_batches": self.n_micro_batches,
+                "optimizer": self.optimizer.to_dict(),
+                "fingerprint": self.fingerprint,
+                "ratios": [[s, r] for s, r in self.ratios],
+            }
+        ).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, limits: ExecLimits | None = None) -> JobSetup:
+        """Parses and bounds-checks a setup another peer sent.
+
+        Raises:
+            ConfigError: malformed, too large or deep, a newer schema, or any field out of range.
+        """
+        limits = limits or ExecLimits()
+        body = load_json_object(data, "setup", limits.control_bytes, max_depth=limits.json_depth)
+        version = body.get("v")
+        if version != cls.VERSION:
+            raise ConfigError(f"setup schema version {version!r:.20}; this peer reads {cls.VERSION}")
+        n_stages = _int(body, "n_stages", 1, limits.max_stages)
+        return cls(
+            job=_str(body, "job", _JOB_RE),
+            spec=ModelSpec.from_dict(body.get("spec")),
+            assignment=_expand(body.get("assignment"), n_stages),
+            n_stages=n_stages,
+            stage=_int(body, "stage", 0, n_stages - 1),
+            data_stage=_int(body, "data_stage", 0, n_stages - 1),
+            peers=_peers(body.get("peers"), n_stages),
+            n_micro_batches=_int(body, "n_micro_batches", 1, _MAX_MICRO_BATCHES),
+            optimizer=OptimizerConfig.from_dict(body.get("optimizer")),
+            fingerprint=_str(body, "fingerprint", re.compile(r"^[0-9a-f]{16}$")),
+            ratios=_ratios(body.get("ratios", []), n_stages),
+        )

@@ -1,0 +1,148 @@
+"""One job's state on a serving peer: its executor, owner, iteration, and outgoing OpData.
+
+The executor is touched only on the compute thread; everything here only on the event
+loop. What the compute thread learns (whether this iteration's backward is done) comes
+back as the result of the work item, never by reading the executor from the loop.
+Outgoing OpData leaves through one ``ExecClient`` stream per destination stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from fusionp2p.config import ExecLimits
+from fusionp2p.errors import FusionP2PError, PeerUnreachableError
+from fusionp2p.net.limits import Reservation
+from fusionp2p.net.transport import Transport
+from fusionp2p.records import OpData
+from fusionp2p.runtime.codec import ExecClient
+from fusionp2p.runtime.executor import Executor, Message
+from fusionp2p.runtime.job_setup import JobSetup
+
+__all__ = ["Job", "Work"]
+
+logger = logging.getLogger(__name__)
+
+_WEIGHTS_SLACK = 64 << 10  # safetensors header of a chunk
+
+
+def opdata_key(header: OpData) -> tuple[object, ...]:
+    """What makes an OpData unique within one iteration of a job."""
+    return (header.direction, header.producer, header.micro_batch, header.src_stage, header.consumers)
+
+
+@dataclass
+class Work:
+    """One item for the compute thread: an OpData to accept, or a local call (data owner)."""
+
+    job: Job
+    header: OpData | None = None
+    body: bytes = b""
+    call: Callable[[], list[Message]] | None = None
+    reservation: Reservation | None = None
+
+
+@dataclass
+class Job:
+    """A job set up on this peer."""
+
+    setup: JobSetup
+    executor: Executor
+    owner: str  # PeerID of the peer that set it up: the only one whose control it obeys
+    limits: ExecLimits
+    iteration: int = 0
+    failure: str | None = None  # the first error; the job is broken from then on
+    backward_done: bool = False  # this iteration's backward finished here (from the compute thread)
+    queued: int = 0  # work items waiting or running
+    pending_sends: int = 0  # OpData handed to senders and not yet acknowledged
+    busy: int = 0  # control requests being handled
+    seen: set[tuple[object, ...]] = field(default_factory=set)  # OpData accepted this iteration
+    last_active: float = field(default_factory=time.monotonic)
+    closed: bool = False
+    max_body: int = 0  # the largest body any message of this job may carry
+    weights_limit: int = 0
+    _outboxes: dict[int, asyncio.Queue[Message]] = field(default_factory=dict)
+    _senders: dict[int, asyncio.Task[None]] = field(default_factory=dict)
+    _clients: list[ExecClient] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        sizes = self.executor.state_sizes()
+        self.weights_limit = max(self.limits.weights_chunk_bytes, *sizes.values(), 0) + _WEIGHTS_SLACK
+        self.max_body = max(self.weights_limit, self.executor.max_message_bytes(), self.limits.control_bytes)
+
+    @property
+    def name(self) -> str:
+        return self.setup.job
+
+    def fail(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+            logger.warning("job %s, stage %d failed: %s", self.name, self.setup.stage, reason)
+
+    def touch(self) -> None:
+        self.last_active = time.monotonic()
+
+    def ready(self) -> bool:
+        """Whether this iteration is done here: backward, every queued item and every send."""
+        return (
+            self.failure is not None
+            or self.closed
+            or (self.backward_done and self.queued == 0 and self.pending_sends == 0)
+        )
+
+    def send(
+        self, message: Message, transport: Transport, timeout: float, notify: Callable[[], Awaitable[None]]
+    ) -> None:
+        """Queues ``message`` for its destination stage's stream (started on first use)."""
+        stage = message.header.dst_stage
+        if stage not in self._outboxes:
+            client = ExecClient(transport, self.setup.peer_of(stage), timeout=timeout)
+            self._clients.append(client)
+            self._outboxes[stage] = asyncio.Queue()
+            self._senders[stage] = asyncio.create_task(
+                self._send_loop(stage, self._outboxes[stage], client, notify),
+                name=f"fusionp2p.exec-send-{self.name}-{stage}",
+            )
+        self.pending_sends += 1
+        self._outboxes[stage].put_nowait(message)
+
+    async def _send_loop(
+        self,
+        stage: int,
+        queue: asyncio.Queue[Message],
+        client: ExecClient,
+        notify: Callable[[], Awaitable[None]],
+    ) -> None:
+        while True:
+            message = await queue.get()
+            try:
+                for attempt in range(2):
+                    try:
+                        await client.request(message.header, message.body)
+                        break
+                    except PeerUnreachableError:
+                        if attempt:
+                            raise
+            except FusionP2PError as e:
+                self.fail(f"sending to stage {stage}: {e}")
+            finally:
+                self.pending_sends -= 1
+                await notify()
+
+    async def aclose(self) -> None:
+        """Stops the senders and closes their streams."""
+        self.closed = True
+        senders = list(self._senders.values())
+        for task in senders:
+            task.cancel()
+        await asyncio.gather(*senders, return_exceptions=True)
+        for client in self._clients:
+            with contextlib.suppress(Exception):
+                await client.aclose()
+        self._senders.clear()
+        self._outboxes.clear()
