@@ -47,6 +47,8 @@ def test_probe_server_rejects_a_probe_over_its_byte_limit_and_keeps_serving() ->
         assert ok.nbytes == 512 << 10
         stream = await client.open("QmB", PROBE_PROTOCOL, timeout=5)
         await stream.send(FrameKind.ACK, b"out of order")
+        kind, reason = await stream.recv(max_payload=4096, timeout=5)
+        assert kind is FrameKind.ERROR and b"unexpected ACK" in reason
         with pytest.raises(PeerUnreachableError):
             await stream.recv(max_payload=8, timeout=5)
         await client.aclose()

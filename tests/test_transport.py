@@ -66,9 +66,13 @@ def test_transport_conformance(pair) -> None:
             await stream.send(FrameKind.END)
             await stream.close()
 
-            # a handler that fails does not take the server down
+            # a handler that fails tells the sender why, ends the stream, and the server goes on
             broken = await client.open(server.peer_id, "test.echo", timeout=10)
             await broken.send(FrameKind.ERROR)
+            assert await broken.recv(max_payload=4096, timeout=5) == (
+                FrameKind.ERROR,
+                b"client asked for an error",
+            )
             with pytest.raises(PeerUnreachableError):
                 await broken.recv(max_payload=16, timeout=5)
             await broken.close()

@@ -25,7 +25,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import raise_if_failed, read_pbmsg_s
 from hivemind.proto import p2pd_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
-from fusionp2p.errors import PeerUnreachableError
+from fusionp2p.errors import PeerUnreachableError, ProtocolError
 from fusionp2p.net.framing import (
     FRAME_VERSION,
     HEADER,
@@ -36,7 +36,7 @@ from fusionp2p.net.framing import (
     skip_exactly,
     write_frame,
 )
-from fusionp2p.net.limits import StreamGate
+from fusionp2p.net.limits import RejectionLog, StreamGate
 
 __all__ = [
     "FrameStream",
@@ -138,6 +138,21 @@ class FrameStream:
         """Reads and drops ``n`` bytes of the current frame."""
         await skip_exactly(self._reader, n, stall_timeout=stall_timeout)
 
+    async def finish(self, *, drain_bytes: int = 1 << 20, timeout: float = 2.0) -> None:
+        """Ends a stream this side is refusing: stops writing, then reads and drops what the
+        peer still sends (at most ``drain_bytes`` for ``timeout`` s) so that the last frame
+        (an ERROR) is delivered instead of being lost to a reset; then closes. Never raises."""
+        with contextlib.suppress(Exception):
+            if self._writer.can_write_eof():
+                self._writer.write_eof()
+            async with asyncio.timeout(timeout):
+                while drain_bytes > 0:
+                    chunk = await self._reader.read(min(drain_bytes, 64 << 10))
+                    if not chunk:
+                        break
+                    drain_bytes -= len(chunk)
+        await self.close()
+
     async def close(self) -> None:
         """Closes the stream; never raises."""
         with contextlib.suppress(Exception):
@@ -184,24 +199,38 @@ class Transport(abc.ABC):
 
 
 async def _run_handler(
-    handler: StreamHandler, stream: FrameStream, protocol: str, gate: StreamGate | None = None
+    handler: StreamHandler,
+    stream: FrameStream,
+    protocol: str,
+    gate: StreamGate | None,
+    rejections: RejectionLog,
 ) -> None:
     refused = gate.enter(stream.remote) if gate is not None else None
     try:
         if refused is not None:
-            logger.warning(
-                "protocol error: refused a %s stream from %s: %s", protocol, stream.remote, refused
-            )
+            rejections.reject(f"{protocol} stream refused", f"from {stream.remote}: {refused}")
             with contextlib.suppress(Exception):
                 await stream.send(FrameKind.ERROR, f"refused: {refused}".encode(), timeout=2.0)
+            await stream.finish(timeout=0.5)
             return
         await handler(stream)
+    except ProtocolError as e:  # a malformed stream: tell the sender why, log one line, serve on
+        rejections.reject(f"{protocol} frame rejected", f"from {stream.remote}: {e}")
+        with contextlib.suppress(Exception):
+            await stream.send(FrameKind.ERROR, str(e).encode()[:2000], timeout=2.0)
+        await stream.finish(timeout=0.5)
+    except PeerUnreachableError as e:
+        logger.debug("%s stream from %s ended: %s", protocol, stream.remote, e)
     except Exception as e:  # a bad peer must never take the server down
-        logger.warning("%s handler for %s failed: %s: %s", protocol, stream.remote[:12], type(e).__name__, e)
+        logger.warning("%s handler for %s failed: %s: %s", protocol, stream.remote, type(e).__name__, e)
     finally:
         if gate is not None and refused is None:
             gate.leave(stream.remote)
         await stream.close()
+
+
+def _rejection_log() -> RejectionLog:
+    return RejectionLog(logger, "protocol error")
 
 
 class P2PTransport(Transport):
@@ -210,6 +239,7 @@ class P2PTransport(Transport):
     def __init__(self, p2p: P2P) -> None:
         self._p2p = p2p
         self._protocols: list[str] = []
+        self._rejections = _rejection_log()
 
     @property
     def peer_id(self) -> str:
@@ -255,7 +285,7 @@ class P2PTransport(Transport):
     async def serve(self, protocol: str, handler: StreamHandler, *, gate: StreamGate | None = None) -> None:
         async def on_stream(info, reader, writer) -> None:
             stream = FrameStream(info.peer_id.to_base58(), reader, writer)
-            await _run_handler(handler, stream, protocol, gate)
+            await _run_handler(handler, stream, protocol, gate, self._rejections)
 
         await self._p2p.add_binary_stream_handler(protocol, on_stream)
         self._protocols.append(protocol)
@@ -311,6 +341,12 @@ class _MemoryWriter:
         self._peer_reader = peer_reader
         self._closed = False
 
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        self.close()
+
     def write(self, data: bytes | memoryview) -> None:
         if self._closed:
             raise ConnectionResetError("stream is closed")
@@ -336,6 +372,7 @@ class MemoryTransport(Transport):
         self._hub = hub
         self._handlers: dict[str, tuple[StreamHandler, StreamGate | None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._rejections = _rejection_log()
         hub[peer_id] = self
 
     @property
@@ -350,7 +387,7 @@ class MemoryTransport(Transport):
         near = FrameStream(peer_id, near_reader, _MemoryWriter(far_reader))  # type: ignore[arg-type]
         far = FrameStream(self._peer_id, far_reader, _MemoryWriter(near_reader))  # type: ignore[arg-type]
         handler, gate = remote._handlers[protocol]
-        task = asyncio.create_task(_run_handler(handler, far, protocol, gate))
+        task = asyncio.create_task(_run_handler(handler, far, protocol, gate, remote._rejections))
         remote._tasks.add(task)
         task.add_done_callback(remote._tasks.discard)
         return near

@@ -120,6 +120,8 @@ class ExecutorService:
         self._log.reject(reason, f"from {stream.remote}: {detail}" + (" (stream closed)" if close else ""))
         with contextlib.suppress(FusionP2PError):
             await stream.send(FrameKind.ERROR, f"{reason}: {detail}".encode()[:2000], timeout=5.0)
+        if close:
+            await stream.finish(timeout=self.policy.limits.stall_timeout / 10)
 
     async def _serve_stream(self, stream: FrameStream) -> None:
         limits = self.policy.limits
@@ -183,7 +185,7 @@ class ExecutorService:
     def _job(self, name: str) -> Job:
         job = self.jobs.get(name)
         if job is None:
-            raise ProtocolError(f"job {name!r} is not set up on this peer")
+            raise ProtocolError(f"job {name!r:.40} is not set up on this peer")
         return job
 
     def _admit(self, remote: str, header: ExecHeader) -> int:
@@ -227,7 +229,7 @@ class ExecutorService:
         if policy.accept_jobs_from and remote not in policy.accept_jobs_from:
             raise ProtocolError("this peer takes jobs only from its operator's list (--accept-jobs-from)")
         if name in self.jobs or name in self._setting_up:
-            raise ProtocolError(f"job {name!r} is already set up here")
+            raise ProtocolError(f"job {name!r:.40} is already set up here")
         running = len(self.jobs) + len(self._setting_up)
         if running >= policy.max_jobs:
             raise LimitError(
@@ -375,7 +377,7 @@ class ExecutorService:
         self._admit_setup(remote, name)
         setup = JobSetup.from_json(body, self.policy.limits)
         if setup.job != name:
-            raise ProtocolError(f"setup body for job {setup.job!r} under header job {name!r}")
+            raise ProtocolError(f"setup body for job {setup.job!r} under header job {name!r:.40}")
         if setup.peer_of(setup.stage) != self.transport.peer_id:
             raise ProtocolError(
                 f"setup names {setup.peer_of(setup.stage)[:12]} for stage {setup.stage}, not this peer"
