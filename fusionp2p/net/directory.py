@@ -55,6 +55,10 @@ class SwarmDirectory:
     def peers_key(self, shard: int) -> str:
         return f"{self.swarm}.peers.{shard}"
 
+    def peer_key(self, peer_id: str) -> str:
+        """The key (shard) that holds ``peer_id``'s record."""
+        return self.peers_key(_shard(peer_id))
+
     def links_key(self, src: str) -> str:
         return f"{self.swarm}.links.{src}"
 
@@ -72,7 +76,7 @@ class SwarmDirectory:
         if not self.owner_marker:
             raise SwarmError("this directory has no signing key; it can only read")
         subkey = record.peer_id.encode() + self.owner_marker
-        return await self._store(self.peers_key(_shard(record.peer_id)), subkey, record.to_wire(), expiration)
+        return await self._store(self.peer_key(record.peer_id), subkey, record.to_wire(), expiration)
 
     async def publish_links(self, records: Iterable[LinkRecord], expiration: float) -> int:
         """Stores this peer's link measurements; returns how many were accepted."""
@@ -129,7 +133,7 @@ class SwarmDirectory:
         replica that validates nothing, or holds a forged entry under the peer's subkey,
         makes a store look refused while honest replicas took it: read back to know.
         """
-        for data in (await self._get_dict(self.peers_key(_shard(record.peer_id)))).values():
+        for data in (await self._get_dict(self.peer_key(record.peer_id))).values():
             with contextlib.suppress(RecordError):
                 found = PeerRecord.from_wire(data)
                 if found.peer_id == record.peer_id and found.updated_at >= record.updated_at:
