@@ -297,6 +297,9 @@ class OptimizerConfig:
         """Raises ConfigError on a malformed dict (it comes from another peer)."""
         if not isinstance(body, dict):
             raise ConfigError("optimizer config must be a JSON object")
+        unknown = sorted(set(body) - {"name", "lr", "betas", "eps", "weight_decay", "momentum"})
+        if unknown:
+            raise ConfigError(f"optimizer config has no field {unknown[0]!r:.40}")
         try:
             return cls(
                 name=str(body.get("name", "adamw")),

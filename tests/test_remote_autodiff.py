@@ -24,13 +24,13 @@ from fusionp2p.errors import PeerUnreachableError
 from fusionp2p.launch import LocalSwarm
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.transport import P2PTransport
+from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.opdag.split import op_node_names
 from fusionp2p.opdag.trace import trace_module
 from fusionp2p.records import OpData
-from fusionp2p.runtime.driver import PipelineDriver
-from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.runtime.codec import EXEC_PROTOCOL, pack_message
+from fusionp2p.runtime.driver import PipelineDriver
 from fusionp2p.runtime.torch_executor import LOSSES
 
 N_MB, BATCH, SEQ = 3, 2, 8

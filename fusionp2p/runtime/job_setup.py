@@ -55,6 +55,8 @@ def _expand(runs: Any, n_stages: int) -> tuple[int, ...]:
         if not 0 <= stage < n_stages or count < 1 or len(out) + count > _MAX_NODES:
             raise ConfigError(f"setup assignment run {run!r:.40} is out of range ({n_stages} stages)")
         out.extend([stage] * count)
+    if not out:
+        raise ConfigError("setup assignment is empty")
     return tuple(out)
 
 

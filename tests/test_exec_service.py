@@ -1,0 +1,391 @@
+"""The exec service's rules, over in-memory streams with short limits: who may do what, and how much.
+
+The same rules are exercised against real peer processes in test_security.py; here each
+one is checked in isolation, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import struct
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+from fusionp2p.config import ExecLimits, OptimizerConfig
+from fusionp2p.errors import ConfigError, LimitError, PeerUnreachableError
+from fusionp2p.net.framing import FRAME_VERSION, HEADER, FrameKind
+from fusionp2p.net.limits import InboundBudget
+from fusionp2p.net.transport import FrameStream, MemoryTransport
+from fusionp2p.opdag.families import ModelRegistry
+from fusionp2p.opdag.spec import ModelSpec
+from fusionp2p.records import ExecControl, OpData
+from fusionp2p.runtime.codec import EXEC_PROTOCOL, pack_message
+from fusionp2p.runtime.driver import PipelineDriver
+from fusionp2p.runtime.job_setup import JobSetup
+from fusionp2p.runtime.service import ExecutorService, ServicePolicy
+
+OWNER, STAGE, STRANGER = "Qm" + "a" * 44, "Qm" + "b" * 44, "Qm" + "c" * 44
+LIMITS = ExecLimits(
+    idle_timeout=0.5, stall_timeout=0.3, streams_per_peer=3, control_bytes=4096, job_idle_timeout=0.6
+)
+SPEC = ModelSpec("digits-cnn", {"channels": 2}, input_shape=(4, 1, 8, 8), input_dtype="float32")
+
+
+@dataclasses.dataclass
+class Net:
+    owner: MemoryTransport
+    stage: MemoryTransport
+    stranger: MemoryTransport
+    service: ExecutorService
+
+
+@contextlib.asynccontextmanager
+async def net(
+    policy: ServicePolicy | None = None, registry: ModelRegistry | None = None
+) -> AsyncIterator[Net]:
+    hub: dict = {}
+    owner, stage, stranger = (MemoryTransport(p, hub) for p in (OWNER, STAGE, STRANGER))
+    policy = policy or ServicePolicy(limits=LIMITS, timeout=5.0)
+    service = await ExecutorService(stage, policy, registry=registry).start()
+    try:
+        yield Net(owner, stage, stranger, service)
+    finally:
+        await service.aclose()
+        for t in (owner, stage, stranger):
+            await t.aclose()
+
+
+async def ask(stream: FrameStream, header, body: bytes = b"") -> tuple[FrameKind, bytes]:
+    await stream.send(FrameKind.DATA, pack_message(header, body), timeout=2)
+    return await stream.recv(max_payload=1 << 20, timeout=2)
+
+
+async def closed(stream: FrameStream, within: float = 2.0) -> bool:
+    try:
+        await stream.recv(max_payload=1 << 20, timeout=within)
+    except PeerUnreachableError as e:
+        return "closed" in str(e)
+    return False
+
+
+async def driver(n: Net) -> PipelineDriver:
+    return await PipelineDriver.create(
+        n.owner,
+        SPEC,
+        None,
+        [(OWNER, []), (STAGE, [])],
+        n_micro_batches=2,
+        optimizer=OptimizerConfig(lr=0.1),
+        loss="classification",
+        timeout=5.0,
+        limits=LIMITS,
+    )
+
+
+def batches(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)) for _ in range(2)]
+
+
+def test_a_declared_length_over_the_limit_is_refused_before_its_body() -> None:
+    async def run() -> None:
+        async with net() as n:
+            stream = await n.stranger.open(STAGE, EXEC_PROTOCOL, timeout=2)
+            stream._writer.write(
+                HEADER.pack(FRAME_VERSION, int(FrameKind.DATA), 512 << 20)
+            )  # and nothing else
+            kind, reply = await stream.recv(max_payload=1 << 20, timeout=2)
+            assert kind is FrameKind.ERROR and b"oversized frame" in reply
+            assert await closed(stream)
+            assert n.service._budget.held == 0
+
+    asyncio.run(run())
+
+
+def test_a_stalled_frame_and_an_idle_stream_are_dropped() -> None:
+    async def run() -> None:
+        async with net() as n:
+            stalled = await n.stranger.open(STAGE, EXEC_PROTOCOL, timeout=2)
+            stalled._writer.write(HEADER.pack(FRAME_VERSION, int(FrameKind.DATA), 100) + b"\x00")
+            idle = await n.stranger.open(STAGE, EXEC_PROTOCOL, timeout=2)
+            start = time.monotonic()
+            assert await closed(stalled) and await closed(idle)
+            assert time.monotonic() - start < 1.5
+            assert n.service._gate.open_streams() == 0
+
+    asyncio.run(run())
+
+
+def test_streams_per_peer_are_bounded() -> None:
+    async def run() -> None:
+        async with net() as n:
+            streams = [await n.stranger.open(STAGE, EXEC_PROTOCOL, timeout=2) for _ in range(3)]
+            await asyncio.sleep(0.05)
+            extra = await n.stranger.open(STAGE, EXEC_PROTOCOL, timeout=2)
+            kind, reply = await extra.recv(max_payload=4096, timeout=2)
+            assert kind is FrameKind.ERROR and b"limit 3" in reply
+            ok = await n.owner.open(STAGE, EXEC_PROTOCOL, timeout=2)  # another peer is still served
+            assert (await ask(ok, ExecControl(command="ping", job="x")))[0] is FrameKind.ACK
+            for s in [*streams, extra, ok]:
+                await s.close()
+
+    asyncio.run(run())
+
+
+def _setup_body(family: str, config: dict, job: str = "evil") -> bytes:
+    """A well-formed setup from the stranger (as its data owner) naming this peer for stage 1."""
+    return JobSetup(
+        job=job,
+        spec=ModelSpec(family, config, input_shape=(1, 4)),
+        assignment=(0, 1),
+        n_stages=2,
+        stage=1,
+        data_stage=0,
+        peers=((STRANGER, ()), (STAGE, ())),
+        n_micro_batches=1,
+        optimizer=OptimizerConfig(),
+        fingerprint="0" * 16,
+    ).to_json()
+
+
+def test_an_unknown_family_is_refused_with_the_flag_that_enables_it() -> None:
+    async def run() -> None:
+        async with net() as n:
+            stream = await n.stranger.open(STAGE, EXEC_PROTOCOL, timeout=2)
+            body = _setup_body("os:system", {"command": "touch /tmp/fusionp2p-pwned"})
+            kind, reply = await ask(
+                stream, ExecControl(command="setup", job="evil", body_bytes=len(body)), body
+            )
+            assert kind is FrameKind.ERROR
+            assert b"'os:system' is not served" in reply and b"--allow-model os:system" in reply
+            body = _setup_body("gpt2", {"command": "touch /tmp/fusionp2p-pwned"})
+            kind, reply = await ask(
+                stream, ExecControl(command="setup", job="evil", body_bytes=len(body)), body
+            )
+            assert kind is FrameKind.ERROR and b"no config key 'command'" in reply
+            assert not n.service.jobs
+
+    asyncio.run(run())
+
+
+def test_a_running_job_obeys_only_its_owner_and_takes_opdata_only_from_neighbours() -> None:
+    async def run() -> None:
+        async with net() as n:
+            d = await driver(n)
+            try:
+                await d.run_iteration(batches())
+                job = d.job
+                stream = await n.stranger.open(STAGE, EXEC_PROTOCOL, timeout=2)
+                for command in ("step", "teardown", "fetch"):
+                    header = ExecControl(command=command, job=job, what="params")
+                    kind, reply = await ask(stream, header)
+                    assert kind is FrameKind.ERROR and b"only the peer that set job" in reply, command
+                weights = b"\x00" * 64
+                kind, reply = await ask(
+                    stream, ExecControl(command="weights", job=job, body_bytes=64), weights
+                )
+                assert kind is FrameKind.ERROR
+                body = _setup_body("digits-cnn", {}, job="second")
+                kind, reply = await ask(
+                    stream, ExecControl(command="setup", job="second", body_bytes=len(body)), body
+                )
+                assert kind is FrameKind.ERROR and b"busy" in reply
+                body = _setup_body("digits-cnn", {}, job=job)
+                kind, reply = await ask(
+                    stream, ExecControl(command="setup", job=job, body_bytes=len(body)), body
+                )
+                assert kind is FrameKind.ERROR and b"already set up" in reply
+                grad = next(m for m in sent_by_owner(d) if m.dst_stage == 1)
+                forged = dataclasses.replace(grad, micro_batch=1)
+                kind, reply = await ask(stream, forged, bytes(forged.body_bytes))
+                assert kind is FrameKind.ERROR and b"runs no stage 0" in reply
+                await d.step()  # the job goes on, untouched
+                assert len(await d.run_iteration(batches(1))) == 2
+            finally:
+                await d.aclose()
+            assert not n.service.jobs  # teardown by its owner
+
+    asyncio.run(run())
+
+
+def sent_by_owner(d: PipelineDriver) -> list[OpData]:
+    """OpData headers the owner's stage would send for micro-batch 0 (recomputed locally)."""
+    part = d.partition
+    value = next(v for v in part.values if part.stage_of[v] == 0 and part.reader_nodes(v, 1))
+    info = part.values[value]
+    return [
+        OpData(
+            job=d.job,
+            direction="forward",
+            producer=value,
+            consumers=part.reader_nodes(value, 1),
+            requires_grad=True,
+            iteration=0,
+            micro_batch=0,
+            shape=info.shape,
+            dtype=info.dtype,
+            body_bytes=info.numel_bytes(),
+            src_stage=0,
+            dst_stage=1,
+        )
+    ]
+
+
+def test_a_duplicate_opdata_is_refused_before_its_body_is_read() -> None:
+    async def run() -> None:
+        async with net() as n:
+            d = await driver(n)
+            try:
+                header = sent_by_owner(d)[0]
+                stream = await n.owner.open(STAGE, EXEC_PROTOCOL, timeout=2)
+                body = torch.zeros(header.shape).numpy().tobytes()
+                assert (await ask(stream, header, body))[0] is FrameKind.ACK
+                kind, reply = await ask(stream, header, body)
+                assert kind is FrameKind.ERROR and b"duplicate" in reply
+                bigger = dataclasses.replace(header, micro_batch=1, body_bytes=10 * header.body_bytes)
+                kind, reply = await ask(stream, bigger, bytes(bigger.body_bytes))
+                assert kind is FrameKind.ERROR  # declares more than the edge carries
+            finally:
+                await d.aclose()
+
+    asyncio.run(run())
+
+
+def test_a_silent_owner_loses_its_job_after_the_idle_timeout(caplog: pytest.LogCaptureFixture) -> None:
+    async def run() -> None:
+        async with net() as n:
+            d = await driver(n)
+            assert n.service.jobs
+            await asyncio.sleep(LIMITS.job_idle_timeout + 5.5)  # the reaper looks every few seconds
+            assert not n.service.jobs
+            await d.service.aclose()
+
+    with caplog.at_level("INFO", logger="fusionp2p"):
+        asyncio.run(run())
+    assert "nothing from its owner or neighbours" in caplog.text
+
+
+def test_private_swarm_takes_jobs_only_from_its_list() -> None:
+    async def run() -> None:
+        policy = ServicePolicy(limits=LIMITS, timeout=5.0, accept_jobs_from=frozenset({OWNER}))
+        async with net(policy) as n:
+            stream = await n.stranger.open(STAGE, EXEC_PROTOCOL, timeout=2)
+            body = _setup_body("digits-cnn", {})
+            kind, reply = await ask(
+                stream, ExecControl(command="setup", job="evil", body_bytes=len(body)), body
+            )
+            assert kind is FrameKind.ERROR and b"--accept-jobs-from" in reply
+            d = await driver(n)  # the listed owner is served
+            await d.aclose()
+
+    asyncio.run(run())
+
+
+def test_a_stage_too_large_for_max_memory_is_refused() -> None:
+    async def run() -> None:
+        policy = ServicePolicy(limits=LIMITS, timeout=5.0, max_memory_bytes=200_000)
+        async with net(policy) as n:
+            with pytest.raises(Exception, match=r"needs .* more than the 195.3 KiB this peer allows"):
+                await PipelineDriver.create(
+                    n.owner,
+                    ModelSpec(
+                        "digits-cnn", {"channels": 64}, input_shape=(4, 1, 8, 8), input_dtype="float32"
+                    ),
+                    None,
+                    [(OWNER, []), (STAGE, [])],
+                    loss="classification",
+                    timeout=5.0,
+                )
+            assert not n.service.jobs
+
+    asyncio.run(run())
+
+
+_GOOD = {
+    "v": 2,
+    "job": "j1",
+    "spec": {"family": "gpt2", "config": {}, "input_shape": [1, 4], "input_dtype": "int64", "seed": 0},
+    "assignment": [[0, 3], [1, 2]],
+    "n_stages": 2,
+    "stage": 1,
+    "data_stage": 0,
+    "peers": [[OWNER, []], [STAGE, ["/ip4/127.0.0.1/tcp/1"]]],
+    "n_micro_batches": 2,
+    "optimizer": {"name": "sgd", "lr": 0.1},
+    "fingerprint": "0123456789abcdef",
+    "ratios": [[1, 4.0]],
+}
+_WRONG = [None, True, -1, 2**70, 1.5, "x" * 300, [], [[]], {}, {"a": [1]}, "../../etc"]
+
+
+@pytest.mark.parametrize("key", sorted(_GOOD))
+def test_every_setup_field_of_a_wrong_type_is_a_config_error(key: str) -> None:
+    assert JobSetup.from_json(json.dumps(_GOOD).encode()).assignment == (0, 0, 0, 1, 1)
+    for wrong in _WRONG:
+        body = json.dumps({**_GOOD, key: wrong}).encode()
+        try:
+            JobSetup.from_json(body)
+        except ConfigError:
+            continue
+        assert (key, wrong) in (("ratios", []), ("optimizer", {})), (key, wrong)  # harmless: the defaults
+
+
+def test_setup_sizes_are_bounded() -> None:
+    huge = {**_GOOD, "n_stages": 10**9}
+    with pytest.raises(ConfigError, match="n_stages"):
+        JobSetup.from_json(json.dumps(huge).encode())
+    runs = {**_GOOD, "assignment": [[0, 1 << 30]]}
+    with pytest.raises(ConfigError, match="out of range"):
+        JobSetup.from_json(json.dumps(runs).encode())
+    deep = b'{"v": 2, "x": ' + b"[" * 200 + b"]" * 200 + b"}"
+    with pytest.raises(ConfigError, match="levels deep"):
+        JobSetup.from_json(deep)
+    with pytest.raises(ConfigError, match="bytes > limit"):
+        JobSetup.from_json(b" " * (ExecLimits().control_bytes + 1))
+
+
+def test_inbound_budget_holds_back_and_releases() -> None:
+    async def run() -> None:
+        budget = InboundBudget(total=100, per_peer=60)
+        first = await budget.reserve("a", 50, timeout=1)
+        with pytest.raises(LimitError, match="did not fit"):
+            await budget.reserve("a", 20, timeout=0.1)  # over this peer's 60
+        other = await budget.reserve("b", 50, timeout=1)  # another peer still fits the total
+        waiting = asyncio.create_task(budget.reserve("c", 40, timeout=2))  # over the total of 100
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        first.release()
+        first.release()  # idempotent
+        (await waiting).release()
+        other.release()
+        alone = await budget.reserve("c", 1000, timeout=1)  # larger than any budget, but alone: admitted
+        assert budget.held == 1000
+        alone.release()
+        assert budget.held == 0
+
+    asyncio.run(run())
+
+
+def test_malformed_message_headers_close_the_stream() -> None:
+    async def run() -> None:
+        async with net() as n:
+            cases = [
+                b"\xff\xff",  # header length beyond the frame
+                struct.pack("!H", 3) + b"\x81\xa4kind" + b"\x91\x01",  # a list as kind
+                pack_message(ExecControl(command="ping", job="x"))[:-1],
+            ]
+            for payload in cases:
+                stream = await n.stranger.open(STAGE, EXEC_PROTOCOL, timeout=2)
+                await stream.send(FrameKind.DATA, payload, timeout=2)
+                kind, _ = await stream.recv(max_payload=4096, timeout=2)
+                assert kind is FrameKind.ERROR
+                assert await closed(stream)
+            assert n.service.rejected == len(cases)
+
+    asyncio.run(run())
