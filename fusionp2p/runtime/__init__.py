@@ -9,7 +9,8 @@
 - ``job_setup.py``: JobSetup, what a data owner sends a peer to run one stage.
 - ``codec.py``: exec protocol messages, and ExecClient (one request stream to a peer).
 - ``jobs.py``: one job's state on a serving peer and its outgoing OpData streams.
-- ``service.py``: the exec protocol server: authorization, limits, the compute queue.
+- ``compute.py``: the one compute thread, its bounded queue, and readiness per job.
+- ``service.py``: the exec protocol server: who may ask what, and how much.
 - ``driver.py``: the data owner's PipelineDriver: sets a job up and drives iterations.
 """
 

@@ -24,7 +24,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -36,6 +35,7 @@ from fusionp2p.net.transport import FrameStream, Transport
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.records import MAX_RECORD_BYTES, ExecControl, OpData
 from fusionp2p.runtime.codec import EXEC_PROTOCOL, ExecHeader, pack_message, read_message_header
+from fusionp2p.runtime.compute import ComputeQueue
 from fusionp2p.runtime.engines import BuildStage, build_torch_stage
 from fusionp2p.runtime.executor import Executor, Message
 from fusionp2p.runtime.job_setup import JobSetup
@@ -82,16 +82,15 @@ class ExecutorService:
         self._build = build
         self._gate = gate or StreamGate(per_peer=limits.streams_per_peer, total=limits.streams_total)
         self._budget = InboundBudget(total=limits.inbound_bytes, per_peer=limits.inbound_bytes_per_peer)
-        self._inbox: asyncio.Queue[Work] = asyncio.Queue(limits.inbox_depth * self.policy.max_jobs)
+        depth = limits.inbox_depth * self.policy.max_jobs
+        self.compute = ComputeQueue(transport, depth=depth, timeout=self.policy.timeout)
         self._setting_up: set[str] = set()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="fusionp2p-exec")
-        self._progress = asyncio.Condition()
         self._tasks: set[asyncio.Task[None]] = set()
         self._log = RejectionLog(logger, "protocol error: rejected exec message")
 
     async def start(self) -> ExecutorService:
         await self.transport.serve(EXEC_PROTOCOL, self._serve_stream, gate=self._gate)
-        for coro, name in ((self._work(), "exec-worker"), (self._reap(), "exec-reaper")):
+        for coro, name in ((self.compute.run(), "exec-compute"), (self._reap(), "exec-reaper")):
             task = asyncio.create_task(coro, name=f"fusionp2p.{name}")
             self._tasks.add(task)
         return self
@@ -104,11 +103,11 @@ class ExecutorService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for job in list(self.jobs.values()):
             await self._drop(job, "this peer is shutting down")
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.compute.shutdown()
 
     async def in_pool(self, fn: Callable[[], T]) -> T:
         """Runs ``fn`` on the compute thread (the one every executor's work runs on)."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        return await self.compute.in_pool(fn)
 
     # ------------------------------------------------------------ reading one message
     def _max_frame(self) -> int:
@@ -144,7 +143,9 @@ class ExecutorService:
                 return await self._refuse(stream, "malformed", str(e), close=True)
             try:
                 limit = self._admit(stream.remote, header)
-            except FusionP2PError as e:
+            except Exception as e:  # FusionP2PError as designed; anything else is a header we did not foresee
+                if not isinstance(e, FusionP2PError):
+                    e = ProtocolError(f"cannot check this {header.KIND}: {type(e).__name__}: {e}")
                 if header.body_bytes > limits.control_bytes:
                     return await self._refuse(stream, "refused", str(e), close=True)
                 with contextlib.suppress(PeerUnreachableError):
@@ -176,6 +177,13 @@ class ExecutorService:
             except FusionP2PError as e:
                 reservation.release()
                 await self._refuse(stream, "refused", str(e), close=False)
+                continue
+            except Exception as e:  # a bug, not the sender's fault: say so, keep serving
+                reservation.release()
+                logger.warning(
+                    "exec %s from %s failed: %s: %s", header.KIND, stream.remote, type(e).__name__, e
+                )
+                await self._refuse(stream, "failed", f"{type(e).__name__}: {e}", close=False)
                 continue
             try:
                 await stream.send(reply_kind, reply, timeout=self.policy.timeout)
@@ -242,63 +250,15 @@ class ExecutorService:
         job = self.jobs[header.job]
         job.seen.add(opdata_key(header))
         job.touch()
-        job.queued += 1
         try:
-            await asyncio.wait_for(
-                self._inbox.put(Work(job, header, body, reservation=reservation)), self.policy.timeout
-            )
-        except TimeoutError:
-            job.queued -= 1
+            await self.compute.put(Work(job, header, body, reservation=reservation))
+        except LimitError:
             job.seen.discard(opdata_key(header))
-            raise LimitError(f"compute queue full for {self.policy.timeout:.0f} s") from None
+            raise
 
     async def submit(self, job_name: str, call: Callable[[], list[Message]]) -> None:
         """Runs ``call`` on the compute thread in turn with incoming OpData; sends what it returns."""
-        job = self._job(job_name)
-        job.queued += 1
-        await self._inbox.put(Work(job, call=call))
-
-    async def _work(self) -> None:
-        while True:
-            item = await self._inbox.get()
-            job = item.job
-            try:
-                if not job.closed:
-                    await self._run(item)
-            finally:
-                job.queued -= 1
-                if item.reservation is not None:
-                    item.reservation.release()
-                await self._notify()
-
-    async def _run(self, item: Work) -> None:
-        job = item.job
-        executor, iteration, n = job.executor, job.iteration, job.setup.n_micro_batches
-        if item.call is not None:
-            step = item.call
-        else:
-            assert item.header is not None
-            step = functools.partial(executor.accept, item.header, item.body)
-
-        def run() -> tuple[list[Message], bool]:
-            return step(), executor.ready_to_step(iteration, n)
-
-        try:
-            out, job.backward_done = await self.in_pool(run)
-        except ProtocolError as e:
-            self.rejected += 1
-            job.fail(f"rejected OpData from stage {item.header.src_stage if item.header else '?'}: {e}")
-            return
-        except Exception as e:
-            logger.exception("job %s: the executor failed", job.name)
-            job.fail(f"{type(e).__name__}: {e}")
-            return
-        for message in out:
-            job.send(message, self.transport, self.policy.timeout, self._notify)
-
-    async def _notify(self) -> None:
-        async with self._progress:
-            self._progress.notify_all()
+        await self.compute.put(Work(self._job(job_name), call=call))
 
     async def wait_ready(self, job_name: str) -> None:
         """Waits until this stage finished the job's iteration: backward, queue and sends.
@@ -306,19 +266,15 @@ class ExecutorService:
         Raises:
             ProtocolError: the job failed, or did not finish within the timeout.
         """
-        job = self._job(job_name)
-        async with self._progress:
-            try:
-                await asyncio.wait_for(self._progress.wait_for(job.ready), self.policy.timeout)
-            except TimeoutError:
-                raise ProtocolError(
-                    f"stage {job.setup.stage} did not finish iteration {job.iteration} of job {job.name} "
-                    f"in {self.policy.timeout:.0f} s"
-                ) from None
-        if job.failure is not None:
-            raise ProtocolError(f"stage {job.setup.stage} of job {job.name} failed: {job.failure}")
-        if job.closed:
-            raise ProtocolError(f"job {job.name} was torn down")
+        await self.compute.wait_ready(self._job(job_name))
+
+    async def step(self, job_name: str) -> None:
+        """Once the job's iteration is done here, applies the optimizer and moves on.
+
+        Raises:
+            ProtocolError: the job failed, or its iteration did not finish in time.
+        """
+        await self.compute.step(self._job(job_name))
 
     # ------------------------------------------------------------ control
     async def _control(self, remote: str, header: ExecControl, body: bytes) -> tuple[FrameKind, bytes]:
@@ -354,24 +310,6 @@ class ExecutorService:
             return FrameKind.DATA, pack_message(reply, data)
         await self.step(job.name)
         return FrameKind.ACK, b""
-
-    async def step(self, job_name: str) -> None:
-        """Once the job's iteration is done here, applies the optimizer and moves on.
-
-        Raises:
-            ProtocolError: the job failed, or its iteration did not finish in time.
-        """
-        await self.wait_ready(job_name)
-        job = self.jobs[job_name]
-        executor, iteration, n = job.executor, job.iteration, job.setup.n_micro_batches
-
-        def step() -> bool:
-            executor.step(iteration)
-            return executor.ready_to_step(iteration + 1, n)
-
-        job.backward_done = await self.in_pool(step)
-        job.iteration = iteration + 1
-        job.seen.clear()
 
     async def _setup(self, remote: str, name: str, body: bytes) -> None:
         self._admit_setup(remote, name)
@@ -429,7 +367,7 @@ class ExecutorService:
         if self.jobs.get(job.name) is job:
             del self.jobs[job.name]
         await job.aclose()
-        await self._notify()
+        await self.compute.notify()
         logger.info("job %s (stage %d) ended: %s; its memory is freed", job.name, job.setup.stage, why)
 
     async def _reap(self) -> None:
