@@ -28,14 +28,14 @@ from fusionp2p.net.framing import FRAME_VERSION, HEADER, FrameKind
 from fusionp2p.net.transport import P2PTransport
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.spec import ModelSpec
-from fusionp2p.opdag.split import op_node_names, partition
-from fusionp2p.opdag.trace import trace_spec
 from fusionp2p.records import ExecControl
 from fusionp2p.runtime.codec import EXEC_PROTOCOL, ExecClient, pack_message
 from fusionp2p.runtime.driver import PipelineDriver
-from fusionp2p.runtime.job_setup import JobSetup
 
 TESTS = Path(__file__).parent.parent / "tests"
+sys.path.insert(0, str(TESTS))  # the helpers the security tests use, and their user model
+
+from exec_helpers import fake_setups, first_forward  # noqa: E402
 
 
 def rss(peer: PeerProcess) -> tuple[int, int]:
@@ -97,21 +97,8 @@ async def duplicate_opdata(owner: P2PTransport, peer: PeerProcess, copies: int =
         timeout=120,
     )
     try:
-        part = driver.partition
-        value = max(
-            (v for v in part.values if part.stage_of[v] == 0 and part.reader_nodes(v, 1)),
-            key=lambda v: part.values[v].numel_bytes(),
-        )
-        import torch
-
-        info = part.values[value]
-        header = driver.executor._opdata(
-            "forward", value, part.reader_nodes(value, 1), torch.zeros(info.shape), 0, 1, b"", b""
-        )
-        from dataclasses import replace
-
-        header = replace(header, body_bytes=info.numel_bytes())
-        body = bytes(info.numel_bytes())
+        header = first_forward(driver.partition, driver.job, largest=True)
+        body = bytes(header.body_bytes)
         stream = await owner.open(peer.peer_id, EXEC_PROTOCOL, timeout=30)
         kinds: dict[str, int] = {}
         first = 0
@@ -139,21 +126,8 @@ async def huge_model(owner: P2PTransport, peer: PeerProcess) -> str:
     spec = ModelSpec(
         "gpt2", {"n_layer": 2, "n_embd": 65536, "n_head": 64, "vocab_size": 50257}, input_shape=(1, 8)
     )
-    traced = trace_spec(spec, fake=True)
-    ops = op_node_names(traced.program.graph)
-    part = partition(traced.program, [i * 2 // len(ops) for i in range(len(ops))], 2)
-    body = JobSetup(
-        job="huge",
-        spec=spec,
-        assignment=tuple(part.stage_of[n] for n in ops),
-        n_stages=2,
-        stage=1,
-        data_stage=0,
-        peers=((owner.peer_id, ()), (peer.peer_id, tuple(peer.multiaddrs))),
-        n_micro_batches=1,
-        optimizer=OptimizerConfig(),
-        fingerprint=part.fingerprint,
-    ).to_json()
+    peers = [(owner.peer_id, []), (peer.peer_id, peer.multiaddrs)]
+    body = fake_setups(spec, peers, job="huge")[1].to_json()
     client = ExecClient(owner, peer.peer_id, timeout=120)
     try:
         await client.request(ExecControl(command="setup", job="huge", body_bytes=len(body)), body)
@@ -230,7 +204,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH", "")]))}
-    sys.path.insert(0, str(TESTS))
     ModelRegistry(allow=["user_models:SkipNet"])  # fails here, not on the peer, if it cannot import
     print("starting one peer...", flush=True)
     with LocalSwarm(

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import torch
+from exec_helpers import first_forward, stranger_setup
 
 from fusionp2p.config import ExecLimits, OptimizerConfig
 from fusionp2p.errors import ConfigError, LimitError, PeerUnreachableError
@@ -24,7 +25,7 @@ from fusionp2p.net.limits import InboundBudget
 from fusionp2p.net.transport import FrameStream, MemoryTransport
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.spec import ModelSpec
-from fusionp2p.records import ExecControl, OpData
+from fusionp2p.records import ExecControl
 from fusionp2p.runtime.codec import EXEC_PROTOCOL, pack_message
 from fusionp2p.runtime.driver import PipelineDriver
 from fusionp2p.runtime.job_setup import JobSetup
@@ -139,19 +140,7 @@ def test_streams_per_peer_are_bounded() -> None:
 
 
 def _setup_body(family: str, config: dict, job: str = "evil") -> bytes:
-    """A well-formed setup from the stranger (as its data owner) naming this peer for stage 1."""
-    return JobSetup(
-        job=job,
-        spec=ModelSpec(family, config, input_shape=(1, 4)),
-        assignment=(0, 1),
-        n_stages=2,
-        stage=1,
-        data_stage=0,
-        peers=((STRANGER, ()), (STAGE, ())),
-        n_micro_batches=1,
-        optimizer=OptimizerConfig(),
-        fingerprint="0" * 16,
-    ).to_json()
+    return stranger_setup(family, config, STRANGER, STAGE, job=job)
 
 
 def test_an_unknown_family_is_refused_with_the_flag_that_enables_it() -> None:
@@ -201,8 +190,7 @@ def test_a_running_job_obeys_only_its_owner_and_takes_opdata_only_from_neighbour
                     stream, ExecControl(command="setup", job=job, body_bytes=len(body)), body
                 )
                 assert kind is FrameKind.ERROR and b"already set up" in reply
-                grad = next(m for m in sent_by_owner(d) if m.dst_stage == 1)
-                forged = dataclasses.replace(grad, micro_batch=1)
+                forged = dataclasses.replace(first_forward(d.partition, job), micro_batch=1)
                 kind, reply = await ask(stream, forged, bytes(forged.body_bytes))
                 assert kind is FrameKind.ERROR and b"runs no stage 0" in reply
                 await d.step()  # the job goes on, untouched
@@ -214,35 +202,12 @@ def test_a_running_job_obeys_only_its_owner_and_takes_opdata_only_from_neighbour
     asyncio.run(run())
 
 
-def sent_by_owner(d: PipelineDriver) -> list[OpData]:
-    """OpData headers the owner's stage would send for micro-batch 0 (recomputed locally)."""
-    part = d.partition
-    value = next(v for v in part.values if part.stage_of[v] == 0 and part.reader_nodes(v, 1))
-    info = part.values[value]
-    return [
-        OpData(
-            job=d.job,
-            direction="forward",
-            producer=value,
-            consumers=part.reader_nodes(value, 1),
-            requires_grad=True,
-            iteration=0,
-            micro_batch=0,
-            shape=info.shape,
-            dtype=info.dtype,
-            body_bytes=info.numel_bytes(),
-            src_stage=0,
-            dst_stage=1,
-        )
-    ]
-
-
 def test_a_duplicate_opdata_is_refused_before_its_body_is_read() -> None:
     async def run() -> None:
         async with net() as n:
             d = await driver(n)
             try:
-                header = sent_by_owner(d)[0]
+                header = first_forward(d.partition, d.job)
                 stream = await n.owner.open(STAGE, EXEC_PROTOCOL, timeout=2)
                 body = torch.zeros(header.shape).numpy().tobytes()
                 assert (await ask(stream, header, body))[0] is FrameKind.ACK

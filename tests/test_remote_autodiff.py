@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
-from hivemind.p2p import P2P
+from exec_helpers import Identities, first_forward, user_model_swarm
 from masked_reference import masked_reference
 
 from fusionp2p.config import OptimizerConfig
@@ -28,7 +26,6 @@ from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.opdag.split import op_node_names
 from fusionp2p.opdag.trace import trace_module
-from fusionp2p.records import OpData
 from fusionp2p.runtime.codec import EXEC_PROTOCOL, pack_message
 from fusionp2p.runtime.driver import PipelineDriver
 from fusionp2p.runtime.torch_executor import LOSSES
@@ -66,32 +63,16 @@ SKIPNET = ModelSpec(
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
-    tests_dir = str(Path(__file__).parent)
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH", "")]))}
-    args = [["--probe-period", "30"]] * 3
-    with LocalSwarm(
-        3,
-        swarm="exec",
-        workdir=str(tmp_path_factory.mktemp("exec")),
-        peer_args=args,
-        env=env,
-        allow_models=["user_models:SkipNet"],
-    ) as s:
+    workdir = str(tmp_path_factory.mktemp("exec"))
+    with user_model_swarm(3, swarm="exec", workdir=workdir) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def owner(swarm: LocalSwarm) -> Iterator[tuple[asyncio.AbstractEventLoop, P2PTransport]]:
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    p2p = loop.run_until_complete(
-        P2P.create(
-            host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, initial_peers=swarm.initial_peers
-        )
-    )
-    yield loop, P2PTransport(p2p)
-    loop.run_until_complete(p2p.shutdown())
-    loop.close()
+    clients = Identities(swarm.initial_peers, 1)
+    yield clients.loop, clients.transports[0]
+    clients.close()
 
 
 def _assignment(spec: ModelSpec, n_stages: int, layout: str) -> list[int]:
@@ -244,23 +225,8 @@ def test_garbage_opdata_is_rejected_and_the_stage_keeps_serving(owner, swarm: Lo
     async def main() -> None:
         driver = await _two_stage_classifier(transport, spec, peer)
         try:
-            part = driver.partition
-            value = next(v for v in part.values if part.stage_of[v] == 0 and part.reader_nodes(v, 1))
-            info = driver.partition.values[value]
-            good = OpData(
-                job=driver.job,
-                direction="forward",
-                producer=value,
-                consumers=driver.partition.reader_nodes(value, 1),
-                requires_grad=True,
-                iteration=0,
-                micro_batch=0,
-                shape=info.shape,
-                dtype=info.dtype,
-                body_bytes=4 * int(torch.Size(info.shape).numel()),
-                src_stage=0,
-                dst_stage=1,
-            )
+            good = first_forward(driver.partition, driver.job)
+            info = driver.partition.values[good.producer]
             body = bytes(good.body_bytes)
 
             bad = {

@@ -9,7 +9,6 @@ peer allocate what it cannot hold, crash it with malformed input.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
 from collections.abc import Iterator
@@ -19,9 +18,10 @@ import hivemind
 import psutil
 import pytest
 import torch
+from exec_helpers import Identities, fake_setups, first_forward, stranger_setup, user_model_swarm
 from fuzz_frames import FrameFuzzer
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from user_models import SkipNet
 
@@ -32,15 +32,11 @@ from fusionp2p.net.directory import SwarmDirectory
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.identity import load_signing_key
 from fusionp2p.net.probe import PROBE_PROTOCOL
-from fusionp2p.net.transport import P2PTransport
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.spec import ModelSpec
-from fusionp2p.opdag.split import op_node_names, partition
-from fusionp2p.opdag.trace import trace_spec
 from fusionp2p.records import ExecControl
 from fusionp2p.runtime.codec import EXEC_PROTOCOL, ExecClient
 from fusionp2p.runtime.driver import PipelineDriver
-from fusionp2p.runtime.job_setup import JobSetup
 from fusionp2p.runtime.torch_executor import LOSSES
 from fusionp2p.swarm import Swarm
 
@@ -52,42 +48,18 @@ N_MB = 2
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
-    tests_dir = str(Path(__file__).parent)
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH", "")]))}
-    args = [["--probe-period", "30", "--max-memory", "1GiB"]] * 2
-    with LocalSwarm(
-        2,
-        swarm="sec",
-        workdir=str(tmp_path_factory.mktemp("sec")),
-        peer_args=args,
-        env=env,
-        allow_models=["user_models:SkipNet"],
-    ) as s:
+    workdir = str(tmp_path_factory.mktemp("sec"))
+    with user_model_swarm(2, swarm="sec", workdir=workdir, peer_args=["--max-memory", "1GiB"]) as s:
         yield s
 
 
-class Net:
-    """This process's two identities on the swarm, and the loop they live on."""
+class Net(Identities):
+    """This process's two identities: the owner of a legitimate job, and a stranger."""
 
     def __init__(self, swarm: LocalSwarm) -> None:
-        self.loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(self.loop)
-        self.owner_p2p, self.stranger_p2p = (self.run(self._p2p(swarm)) for _ in range(2))
-        self.owner, self.stranger = P2PTransport(self.owner_p2p), P2PTransport(self.stranger_p2p)
-
-    @staticmethod
-    async def _p2p(swarm: LocalSwarm) -> P2P:
-        return await P2P.create(
-            host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, initial_peers=swarm.initial_peers
-        )
-
-    def run(self, coro):
-        return self.loop.run_until_complete(coro)
-
-    def close(self) -> None:
-        for p2p in (self.owner_p2p, self.stranger_p2p):
-            self.run(p2p.shutdown())
-        self.loop.close()
+        super().__init__(swarm.initial_peers, 2)
+        self.owner_p2p, self.stranger_p2p = self.p2ps
+        self.owner, self.stranger = self.transports
 
 
 @pytest.fixture(scope="module")
@@ -137,18 +109,7 @@ async def _job(net: Net, peer: PeerProcess, spec: ModelSpec = SKIPNET, **kw) -> 
 
 
 def _setup(family: str, config: dict, stranger: str, peer: PeerProcess, job: str = "evil") -> bytes:
-    return JobSetup(
-        job=job,
-        spec=ModelSpec(family, config, input_shape=(1, 4)),
-        assignment=(0, 1),
-        n_stages=2,
-        stage=1,
-        data_stage=0,
-        peers=((stranger, ()), (peer.peer_id, ())),
-        n_micro_batches=1,
-        optimizer=OptimizerConfig(),
-        fingerprint="0" * 16,
-    ).to_json()
+    return stranger_setup(family, config, stranger, peer.peer_id, job=job)
 
 
 async def _ask(client: ExecClient, header: ExecControl, body: bytes = b"") -> str:
@@ -221,16 +182,8 @@ def test_a_running_job_belongs_to_its_owner(net: Net, swarm: LocalSwarm) -> None
             refusals.append(
                 await _ask(stranger, ExecControl(command="weights", job=job, body_bytes=8), bytes(8))
             )
-            part = driver.partition
-            value = next(v for v in part.values if part.stage_of[v] == 0 and part.reader_nodes(v, 1))
-            info = part.values[value]
-            forged = driver.executor._opdata(  # exactly what stage 0 would send next, from the wrong peer
-                "forward", value, part.reader_nodes(value, 1), torch.zeros(info.shape), 0, 1, b"", b""
-            )
-            from dataclasses import replace
-
-            forged = replace(forged, iteration=0, body_bytes=info.numel_bytes())
-            refusals.append(await _ask(stranger, forged, bytes(info.numel_bytes())))  # type: ignore[arg-type]
+            forged = first_forward(driver.partition, job)  # what stage 0 sends, from the wrong peer
+            refusals.append(await _ask(stranger, forged, bytes(forged.body_bytes)))  # type: ignore[arg-type]
             await driver.step()
             losses.append(await driver.run_iteration(_batches(1)))
             await driver.step()
@@ -262,21 +215,8 @@ def test_a_model_over_max_memory_is_refused_before_allocation(net: Net, swarm: L
         await driver.aclose()
 
     # what a data owner would send for the huge model (traced fake here too: 7.6 GiB never exist)
-    traced = trace_spec(huge, fake=True)
-    ops = op_node_names(traced.program.graph)
-    part = partition(traced.program, [i * 2 // len(ops) for i in range(len(ops))], 2)
-    body = JobSetup(
-        job="huge",
-        spec=huge,
-        assignment=tuple(part.stage_of[n] for n in ops),
-        n_stages=2,
-        stage=1,
-        data_stage=0,
-        peers=((net.owner.peer_id, ()), (peer.peer_id, tuple(peer.multiaddrs))),
-        n_micro_batches=2,
-        optimizer=OPT,
-        fingerprint=part.fingerprint,
-    ).to_json()
+    peers = [(net.owner.peer_id, []), (peer.peer_id, peer.multiaddrs)]
+    body = fake_setups(huge, peers, job="huge", n_micro_batches=2)[1].to_json()
 
     async def setup_huge() -> str:
         client = ExecClient(net.owner, peer.peer_id, timeout=60)

@@ -26,7 +26,7 @@ from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.transport import Transport
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.spec import ModelSpec
-from fusionp2p.opdag.split import Partition, balanced_assignment, op_node_names, partition
+from fusionp2p.opdag.split import Partition, balanced_assignment, partition
 from fusionp2p.opdag.trace import TracedModel, trace_spec
 from fusionp2p.records import ExecControl
 from fusionp2p.runtime.codec import CONTROL_REPLY_BYTES, ExecClient, unpack_message
@@ -140,24 +140,17 @@ class PipelineDriver:
         traced, part = await asyncio.to_thread(trace)
         for note in part.moved:
             logger.info("assignment adjusted: %s", note)
-        ops = op_node_names(traced.program.graph)
-        ratio_items = tuple(sorted((ratios or {}).items()))
-        setups = [
-            JobSetup(
-                job=job,
-                spec=spec,
-                assignment=tuple(part.stage_of[n] for n in ops),
-                n_stages=n_stages,
-                stage=s,
-                data_stage=data_stage,
-                peers=tuple((p, tuple(m)) for p, m in peers),
-                n_micro_batches=n_micro_batches,
-                optimizer=optimizer,
-                fingerprint=part.fingerprint,
-                ratios=ratio_items,
-            )
-            for s in range(n_stages)
-        ]
+        setups = JobSetup.for_stages(
+            job,
+            spec,
+            traced.program,
+            part,
+            peers,
+            n_micro_batches=n_micro_batches,
+            optimizer=optimizer,
+            ratios=ratios,
+        )
+        ratio_items = setups[data_stage].ratios
         executor = TorchExecutor(
             traced.program,
             part,

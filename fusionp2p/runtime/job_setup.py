@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from fusionp2p.config import ExecLimits, OptimizerConfig, load_json_object
 from fusionp2p.errors import ConfigError
 from fusionp2p.opdag.spec import ModelSpec
+from fusionp2p.opdag.split import Partition, op_node_names
 
 __all__ = ["JobSetup"]
 
@@ -130,6 +132,38 @@ class JobSetup:
 
     def peer_of(self, stage: int) -> str:
         return self.peers[stage][0]
+
+    @classmethod
+    def for_stages(
+        cls,
+        job: str,
+        spec: ModelSpec,
+        program: Any,
+        part: Partition,
+        peers: Sequence[tuple[str, Sequence[str]]],
+        *,
+        n_micro_batches: int,
+        optimizer: OptimizerConfig,
+        ratios: Mapping[int, float] | None = None,
+    ) -> list[JobSetup]:
+        """One setup per stage of ``part`` (a split of ``program``, the traced ``spec``)."""
+        assignment = tuple(part.stage_of[n] for n in op_node_names(program.graph))
+        return [
+            cls(
+                job=job,
+                spec=spec,
+                assignment=assignment,
+                n_stages=part.n_stages,
+                stage=stage,
+                data_stage=part.data_stage,
+                peers=tuple((p, tuple(m)) for p, m in peers),
+                n_micro_batches=n_micro_batches,
+                optimizer=optimizer,
+                fingerprint=part.fingerprint,
+                ratios=tuple(sorted((ratios or {}).items())),
+            )
+            for stage in range(part.n_stages)
+        ]
 
     def to_json(self) -> bytes:
         return json.dumps(
