@@ -354,3 +354,27 @@ def test_malformed_message_headers_close_the_stream() -> None:
             assert n.service.rejected == len(cases)
 
     asyncio.run(run())
+
+
+def test_strangers_filling_every_stream_cannot_cut_a_job_off() -> None:
+    async def run() -> None:
+        limits = dataclasses.replace(LIMITS, streams_total=4, idle_timeout=5.0)
+        async with net(ServicePolicy(limits=limits, timeout=5.0)) as n:
+            d = await driver(n)
+            try:
+                hub = n.stranger._hub
+                sybils = [MemoryTransport(f"Qm{i}" + "d" * 44, hub) for i in range(2)]
+                held = [await s.open(STAGE, EXEC_PROTOCOL, timeout=2) for s in sybils for _ in range(3)]
+                await asyncio.sleep(0.05)
+                assert n.service._gate.open_streams() >= 4
+                late = await n.stranger.open(STAGE, EXEC_PROTOCOL, timeout=2)
+                kind, reply = await late.recv(max_payload=4096, timeout=2)
+                assert kind is FrameKind.ERROR and b"inbound streams already open" in reply
+                assert len(await d.run_iteration(batches())) == 2  # the job's streams still get through
+                await d.step()
+                for stream in held:
+                    await stream.close()
+            finally:
+                await d.aclose()
+
+    asyncio.run(run())

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 
 from fusionp2p.config import format_bytes
 from fusionp2p.errors import LimitError
@@ -22,18 +23,23 @@ __all__ = ["InboundBudget", "RejectionLog", "Reservation", "StreamGate"]
 
 
 class StreamGate:
-    """Admits at most ``per_peer`` concurrent streams from one remote peer and ``total`` in all."""
+    """Admits at most ``per_peer`` concurrent streams from one remote peer and ``total`` in all.
+
+    Peers for which ``privileged`` is true (a running job's owner and neighbours) are held
+    to their own per-peer limit only, so strangers who fill the total cannot cut a job off.
+    """
 
     def __init__(self, *, per_peer: int, total: int) -> None:
         self.per_peer = per_peer
         self.total = total
+        self.privileged: Callable[[str], bool] = lambda remote: False
         self._open: Counter[str] = Counter()
 
     def enter(self, remote: str) -> str | None:
         """Counts a new stream from ``remote``; the reason it is refused, or None."""
         if self._open[remote] >= self.per_peer:
             return f"{self._open[remote]} streams from this peer already open (limit {self.per_peer})"
-        if sum(self._open.values()) >= self.total:
+        if sum(self._open.values()) >= self.total and not self.privileged(remote):
             return f"{self.total} inbound streams already open (limit)"
         self._open[remote] += 1
         return None

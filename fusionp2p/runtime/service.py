@@ -89,6 +89,7 @@ class ExecutorService:
         self._log = RejectionLog(logger, "protocol error: rejected exec message")
 
     async def start(self) -> ExecutorService:
+        self._gate.privileged = self._works_for_a_job
         await self.transport.serve(EXEC_PROTOCOL, self._serve_stream, gate=self._gate)
         for coro, name in ((self.compute.run(), "exec-compute"), (self._reap(), "exec-reaper")):
             task = asyncio.create_task(coro, name=f"fusionp2p.{name}")
@@ -189,6 +190,10 @@ class ExecutorService:
                 await stream.send(reply_kind, reply, timeout=self.policy.timeout)
             except PeerUnreachableError:
                 return
+
+    def _works_for_a_job(self, remote: str) -> bool:
+        """Whether ``remote`` owns a job here or runs one of its stages."""
+        return any(remote == peer for job in self.jobs.values() for peer, _ in job.setup.peers)
 
     def _job(self, name: str) -> Job:
         job = self.jobs.get(name)
