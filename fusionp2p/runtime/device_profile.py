@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import psutil
 import torch
 
 from fusionp2p.errors import ProfileError
@@ -46,13 +47,14 @@ def _device_name(device: torch.device) -> str:
 
 
 def free_memory(device: str) -> tuple[int, int]:
-    """(free, total) bytes of memory on ``device``."""
+    """(free, total) bytes of memory on ``device``; on the CPU, free is what the kernel can
+    hand out without swapping (``MemAvailable``: unused memory plus reclaimable caches)."""
     dev = torch.device(device)
     if dev.type == "cuda":
         free, total = torch.cuda.mem_get_info(dev)
         return int(free), int(total)
-    page = os.sysconf("SC_PAGE_SIZE")
-    return int(os.sysconf("SC_AVPHYS_PAGES") * page), int(os.sysconf("SC_PHYS_PAGES") * page)
+    memory = psutil.virtual_memory()
+    return int(memory.available), int(memory.total)
 
 
 def _time_matmul(device: torch.device, dtype: torch.dtype, n: int, budget_s: float) -> float:
