@@ -55,7 +55,9 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def load_json_object(data: str | bytes, what: str, limit: int, *, max_depth: int = 16) -> dict[str, Any]:
+def load_json_object(
+    data: str | bytes | bytearray, what: str, limit: int, *, max_depth: int = 16
+) -> dict[str, Any]:
     """A JSON object another peer sent: at most ``limit`` bytes and ``max_depth`` levels deep,
     finite numbers only.
 
@@ -65,7 +67,7 @@ def load_json_object(data: str | bytes, what: str, limit: int, *, max_depth: int
     if len(data) > limit:
         raise ConfigError(f"{what} of {len(data)} bytes > limit {limit}")
     try:
-        text = data.decode("utf-8") if isinstance(data, bytes) else data
+        text = data if isinstance(data, str) else bytes(data).decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{what} is not UTF-8: {e}") from e
     depth = _json_depth(text)

@@ -6,6 +6,7 @@ FusionP2PError
 ├── ProtocolError          a peer sent bytes that break a stream protocol (size, order, kind)
 ├── LimitError             a request needs more than this peer allows (memory, jobs, bytes)
 ├── PeerUnreachableError   a remote call or stream to a peer failed or passed its deadline
+│   └── DeadlineError      ... passed its deadline (nothing arrived in time)
 ├── SwarmError             joining, reading or leaving the swarm failed
 └── ProfileError           measuring this device failed
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 __all__ = [
     "ConfigError",
+    "DeadlineError",
     "FusionP2PError",
     "LimitError",
     "PeerUnreachableError",
@@ -46,6 +48,10 @@ class LimitError(FusionP2PError):
 
 class PeerUnreachableError(FusionP2PError):
     """A remote peer did not answer in time or its stream broke."""
+
+
+class DeadlineError(PeerUnreachableError):
+    """Nothing arrived from a peer within a deadline (the stream itself may still be open)."""
 
 
 class SwarmError(FusionP2PError):

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar, TypeVar, get_type_hints
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, NoReturn, TypeVar, get_type_hints
 
 import msgpack
 
@@ -46,48 +47,90 @@ R = TypeVar("R", bound="_WireRecord")
 
 
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    """A record class's field annotations (``get_type_hints`` is slow: once per class)."""
-    return get_type_hints(cls)
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
 
 
-def _check_field(name: str, value: Any, annotation: Any) -> Any:
-    """Checks one decoded field against its annotation; returns the normalized value."""
+Checker = Callable[[Any], Any]
+
+
+def _checker(name: str, annotation: Any) -> Checker:
+    """A function that checks one decoded field against its annotation and returns the
+    normalized value (built once per field: decoding runs for every message)."""
     origin = getattr(annotation, "__origin__", None)
+
+    def fail(what: str, value: Any) -> NoReturn:
+        raise RecordError(f"field {name!r} must be {what}, got {value!r:.80}")
+
     if annotation is str:
-        if not isinstance(value, str) or len(value) > _MAX_STR:
-            raise RecordError(f"field {name!r} must be a string of <= {_MAX_STR} chars, got {value!r:.80}")
-        return value
+
+        def check_str(value: Any) -> Any:
+            if value.__class__ is not str or len(value) > _MAX_STR:
+                fail(f"a string of <= {_MAX_STR} chars", value)
+            return value
+
+        return check_str
     if annotation is bool:
-        if not isinstance(value, bool):
-            raise RecordError(f"field {name!r} must be a boolean, got {value!r:.80}")
-        return value
+
+        def check_bool(value: Any) -> Any:
+            if value.__class__ is not bool:
+                fail("a boolean", value)
+            return value
+
+        return check_bool
     if annotation is bytes:
-        if not isinstance(value, bytes) or len(value) > MAX_RECORD_BYTES:
-            raise RecordError(f"field {name!r} must be bytes of <= {MAX_RECORD_BYTES}, got {value!r:.80}")
-        return value
+
+        def check_bytes(value: Any) -> Any:
+            if value.__class__ is not bytes or len(value) > MAX_RECORD_BYTES:
+                fail(f"bytes of <= {MAX_RECORD_BYTES}", value)
+            return value
+
+        return check_bytes
     if annotation is int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise RecordError(f"field {name!r} must be an integer, got {value!r:.80}")
-        return value
+
+        def check_int(value: Any) -> Any:
+            if value.__class__ is not int:
+                fail("an integer", value)
+            return value
+
+        return check_int
     if annotation is float:
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-            raise RecordError(f"field {name!r} must be a finite number, got {value!r:.80}")
-        return float(value)
+
+        def check_float(value: Any) -> Any:
+            if value.__class__ not in (int, float) or not math.isfinite(value):
+                fail("a finite number", value)
+            return float(value)
+
+        return check_float
     if origin is tuple:
         item_type = annotation.__args__[0]
         limit = _MAX_STRS if item_type is str else _MAX_INTS
-        if not isinstance(value, (list, tuple)) or len(value) > limit:
-            raise RecordError(f"field {name!r} must be a list of <= {limit} items, got {value!r:.80}")
-        return tuple(_check_field(f"{name}[]", item, item_type) for item in value)
+        item = _checker(f"{name}[]", item_type)
+
+        def check_tuple(value: Any) -> Any:
+            if value.__class__ not in (list, tuple) or len(value) > limit:
+                fail(f"a list of <= {limit} items", value)
+            return tuple(item(v) for v in value)
+
+        return check_tuple
     if origin is dict:
-        if not isinstance(value, dict) or len(value) > _MAX_LIST:
-            raise RecordError(f"field {name!r} must be a map of <= {_MAX_LIST} items, got {value!r:.80}")
-        return {
-            _check_field(f"{name} key", k, str): _check_field(f"{name}[{k}]", v, float)
-            for k, v in value.items()
-        }
+        key, item = _checker(f"{name} key", str), _checker(f"{name}[]", float)
+
+        def check_dict(value: Any) -> Any:
+            if value.__class__ is not dict or len(value) > _MAX_LIST:
+                fail(f"a map of <= {_MAX_LIST} items", value)
+            return {key(k): item(v) for k, v in value.items()}
+
+        return check_dict
     raise TypeError(f"unsupported annotation {annotation!r} for {name}")  # a bug here, not input
+
+
+@functools.cache
+def _checkers(cls: type) -> tuple[tuple[str, Checker], ...]:
+    """(field name, checker) of a record class, in declaration order (``get_type_hints`` is
+    slow: resolved once per class)."""
+    hints = get_type_hints(cls)
+    return tuple((f.name, _checker(f.name, hints[f.name])) for f in fields(cls))
 
 
 @dataclass(frozen=True)
@@ -99,7 +142,9 @@ class _WireRecord:
 
     def to_wire(self) -> bytes:
         """Encodes the record; raises RecordError if it would exceed MAX_RECORD_BYTES."""
-        body = {"kind": self.KIND, "v": self.VERSION, **asdict(self)}
+        body = {"kind": self.KIND, "v": self.VERSION}
+        for name in _field_names(type(self)):  # type: ignore[arg-type]  # shallow: no deep copy
+            body[name] = getattr(self, name)
         data = msgpack.packb(body, use_bin_type=True)
         if len(data) > MAX_RECORD_BYTES:
             raise RecordError(f"{self.KIND} record is {len(data)} bytes > {MAX_RECORD_BYTES}")
@@ -130,18 +175,17 @@ class _WireRecord:
             raise RecordError(f"{cls.KIND} record has no valid version, got {version!r:.40}")
         if version > cls.VERSION:
             raise RecordError(f"{cls.KIND} record version {version} is newer than {cls.VERSION}")
-        hints = _hints(cls)  # type: ignore[arg-type]
         kwargs = {}
-        for f in fields(cls):
-            if f.name in body:
-                kwargs[f.name] = _check_field(f.name, body[f.name], hints[f.name])
+        for name, check in _checkers(cls):  # type: ignore[arg-type]
+            if name in body:
+                kwargs[name] = check(body[name])
         try:
             return cls(**kwargs)
         except (TypeError, ValueError, OverflowError) as e:
             raise RecordError(f"{cls.KIND} record misses a field or has a bad one: {e}") from e
 
 
-def _unpack(data: bytes) -> dict[str, Any]:
+def _unpack(data: bytes | bytearray) -> dict[str, Any]:
     if not isinstance(data, (bytes, bytearray)):
         raise RecordError(f"a record must be bytes, got {type(data).__name__}")
     if len(data) > MAX_RECORD_BYTES:
@@ -372,7 +416,7 @@ _KINDS: dict[str, type[_WireRecord]] = {
 
 
 def decode_record(
-    data: bytes,
+    data: bytes | bytearray,
 ) -> PeerRecord | LinkRecord | PlanStageRecord | TopKHeader | OpData | ExecControl:
     """Decodes any known record by its ``kind`` field.
 

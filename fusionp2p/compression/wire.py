@@ -150,7 +150,9 @@ def encode_at(grad: torch.Tensor, indices: torch.Tensor, *, value_dtype: str = "
     return Encoded(header, _to_bytes(values), indices, values.to(grad.dtype))
 
 
-def decode_at(header: TopKHeader, body: bytes, indices: torch.Tensor) -> torch.Tensor:
+def decode_at(
+    header: TopKHeader, body: bytes | bytearray | memoryview, indices: torch.Tensor
+) -> torch.Tensor:
     """The dense gradient from a ``shared`` payload and the indices the forward kept.
 
     Raises:
@@ -176,7 +178,7 @@ def _to_bytes(values: torch.Tensor) -> bytes:
     return values.contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
 
-def _decode_indices(header: TopKHeader, section: bytes) -> np.ndarray:
+def _decode_indices(header: TopKHeader, section: bytes | bytearray | memoryview) -> np.ndarray:
     k, numel, fmt = header.k, header.numel, header.index_format
     if fmt == "int32":
         idx = np.frombuffer(section, dtype="<i4").astype(np.int64)
@@ -200,7 +202,11 @@ def _decode_indices(header: TopKHeader, section: bytes) -> np.ndarray:
 
 
 def decode(
-    header: TopKHeader, body: bytes, *, max_numel: int = _MAX_NUMEL, device: torch.device | str = "cpu"
+    header: TopKHeader,
+    body: bytes | bytearray | memoryview,
+    *,
+    max_numel: int = _MAX_NUMEL,
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """The dense tensor (zeros where nothing was kept).
 
@@ -212,7 +218,11 @@ def decode(
 
 
 def decode_with_indices(
-    header: TopKHeader, body: bytes, *, max_numel: int = _MAX_NUMEL, device: torch.device | str = "cpu"
+    header: TopKHeader,
+    body: bytes | bytearray | memoryview,
+    *,
+    max_numel: int = _MAX_NUMEL,
+    device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``decode``, and the positions kept (int64, sorted; None for a dense payload)."""
     if header.numel > max_numel:

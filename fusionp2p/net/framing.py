@@ -14,7 +14,7 @@ import asyncio
 import struct
 from enum import IntEnum
 
-from fusionp2p.errors import PeerUnreachableError, ProtocolError
+from fusionp2p.errors import DeadlineError, PeerUnreachableError, ProtocolError
 
 __all__ = [
     "FRAME_VERSION",
@@ -25,6 +25,7 @@ __all__ = [
     "read_header",
     "skip_exactly",
     "write_frame",
+    "write_frame_nowait",
 ]
 
 FRAME_VERSION = 1
@@ -43,12 +44,23 @@ class FrameKind(IntEnum):
     ERROR = 6
 
 
-async def write_frame(writer: asyncio.StreamWriter, kind: FrameKind, payload: bytes = b"") -> None:
-    """Writes one frame and waits until the stream buffer drains."""
-    writer.write(HEADER.pack(FRAME_VERSION, int(kind), len(payload)))
-    view = memoryview(payload)
-    for offset in range(0, len(view), _CHUNK):
-        writer.write(view[offset : offset + _CHUNK])
+def write_frame_nowait(
+    writer: asyncio.StreamWriter, kind: FrameKind, *parts: bytes | bytearray | memoryview
+) -> None:
+    """Writes one frame whose payload is ``parts`` one after the other (no joining copy)
+    into the stream's buffer."""
+    views = [memoryview(p).cast("B") for p in parts]
+    writer.write(HEADER.pack(FRAME_VERSION, int(kind), sum(v.nbytes for v in views)))
+    for view in views:
+        for offset in range(0, len(view), _CHUNK):
+            writer.write(view[offset : offset + _CHUNK])
+
+
+async def write_frame(
+    writer: asyncio.StreamWriter, kind: FrameKind, *parts: bytes | bytearray | memoryview
+) -> None:
+    """``write_frame_nowait``, then waits until the stream buffer drains."""
+    write_frame_nowait(writer, kind, *parts)
     await writer.drain()
 
 
@@ -57,7 +69,8 @@ async def read_header(reader: asyncio.StreamReader, *, timeout: float) -> tuple[
 
     Raises:
         ProtocolError: bad version or unknown kind.
-        PeerUnreachableError: the stream ended or no header arrived within ``timeout``.
+        DeadlineError: no header arrived within ``timeout`` (the stream may be fine).
+        PeerUnreachableError: the stream ended.
     """
     try:
         async with asyncio.timeout(timeout):
@@ -65,7 +78,7 @@ async def read_header(reader: asyncio.StreamReader, *, timeout: float) -> tuple[
     except asyncio.IncompleteReadError as e:
         raise PeerUnreachableError(f"stream closed after {len(e.partial)} bytes of a frame") from e
     except TimeoutError as e:
-        raise PeerUnreachableError(f"no frame within {timeout:.1f} s") from e
+        raise DeadlineError(f"no frame within {timeout:.1f} s") from e
     except ConnectionError as e:
         raise PeerUnreachableError(f"stream broke: {e}") from e
     version, kind, length = HEADER.unpack(header)
@@ -77,32 +90,36 @@ async def read_header(reader: asyncio.StreamReader, *, timeout: float) -> tuple[
         raise ProtocolError(f"unknown frame kind {kind}") from None
 
 
-async def read_exactly(reader: asyncio.StreamReader, n: int, *, stall_timeout: float) -> bytes:
+async def read_exactly(reader: asyncio.StreamReader, n: int, *, stall_timeout: float) -> bytes | bytearray:
     """Reads ``n`` bytes of a frame in chunks; each chunk must arrive within ``stall_timeout``
-    (a slow link may take long in all, a stalled sender is dropped).
+    (a slow link may take long in all, a stalled sender is dropped). A payload larger than
+    one chunk comes back as a writable ``bytearray`` (tensors are decoded from it in place).
 
     Raises:
         PeerUnreachableError: the stream ended or stalled.
     """
-    chunks = []
-    remaining = n
+    buf = bytearray(n) if n > _CHUNK else None
+    view = memoryview(buf) if buf is not None else None
+    done = 0
     try:
-        while remaining:
+        while done < n:
             async with asyncio.timeout(stall_timeout):
-                chunk = await reader.readexactly(min(_CHUNK, remaining))
-            chunks.append(chunk)
-            remaining -= len(chunk)
+                chunk = await reader.readexactly(min(_CHUNK, n - done))
+            if view is None:
+                return chunk
+            view[done : done + len(chunk)] = chunk
+            done += len(chunk)
     except asyncio.IncompleteReadError as e:
-        raise PeerUnreachableError(
-            f"stream closed after {n - remaining + len(e.partial)} of {n} bytes"
-        ) from e
+        raise PeerUnreachableError(f"stream closed after {done + len(e.partial)} of {n} bytes") from e
     except TimeoutError as e:
         raise PeerUnreachableError(
-            f"frame stalled: no byte for {stall_timeout:.1f} s after {n - remaining} of {n}"
+            f"frame stalled: no byte for {stall_timeout:.1f} s after {done} of {n}"
         ) from e
     except ConnectionError as e:
         raise PeerUnreachableError(f"stream broke: {e}") from e
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    if buf is None:
+        return b""
+    return buf
 
 
 async def skip_exactly(reader: asyncio.StreamReader, n: int, *, stall_timeout: float) -> None:
@@ -116,7 +133,7 @@ async def skip_exactly(reader: asyncio.StreamReader, n: int, *, stall_timeout: f
 
 async def read_frame(
     reader: asyncio.StreamReader, *, max_payload: int, timeout: float, stall_timeout: float | None = None
-) -> tuple[FrameKind, bytes]:
+) -> tuple[FrameKind, bytes | bytearray]:
     """Reads one frame: its header within ``timeout``, its payload (checked against
     ``max_payload`` before a byte of it is read) with ``stall_timeout`` per chunk.
 

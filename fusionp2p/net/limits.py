@@ -86,6 +86,10 @@ class InboundBudget:
     def held(self) -> int:
         return sum(self._held.values())
 
+    def free_for(self, remote: str) -> int:
+        """Bytes ``remote`` could send now without waiting (what its credit is)."""
+        return max(0, min(self.per_peer - self._held[remote], self.total - self.held))
+
     def _fits(self, remote: str, nbytes: int) -> bool:
         held, mine = self.held, self._held[remote]
         return (held == 0 or held + nbytes <= self.total) and (mine == 0 or mine + nbytes <= self.per_peer)

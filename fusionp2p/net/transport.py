@@ -35,6 +35,7 @@ from fusionp2p.net.framing import (
     read_header,
     skip_exactly,
     write_frame,
+    write_frame_nowait,
 )
 from fusionp2p.net.limits import RejectionLog, StreamGate
 
@@ -75,6 +76,16 @@ class TokenBucket:
                 await asyncio.sleep(-self._tokens / self.rate)
 
 
+_DRAIN_ABOVE = 256 << 10
+
+
+def _needs_drain(writer: asyncio.StreamWriter) -> bool:
+    """Whether a write should wait for the buffer to drain (a small write into an empty
+    buffer needs no await; an in-memory writer has no transport and always drains)."""
+    transport = getattr(writer, "transport", None)
+    return transport is None or transport.is_closing() or transport.get_write_buffer_size() > _DRAIN_ABOVE
+
+
 class FrameStream:
     """One bidirectional stream of frames to ``remote`` (a base58 PeerID)."""
 
@@ -91,18 +102,30 @@ class FrameStream:
         self._writer = writer
         self._bucket = bucket
 
-    async def send(self, kind: FrameKind, payload: bytes = b"", *, timeout: float = 30.0) -> None:
+    async def send(
+        self, kind: FrameKind, payload: bytes | bytearray | memoryview = b"", *, timeout: float = 30.0
+    ) -> None:
         """Sends one frame, paced by this stream's token bucket if it has one.
 
         Raises:
             PeerUnreachableError: the stream broke or the send passed ``timeout``.
         """
+        await self.send_parts(kind, payload, timeout=timeout)
+
+    async def send_parts(
+        self, kind: FrameKind, *parts: bytes | bytearray | memoryview, timeout: float = 30.0
+    ) -> None:
+        """Sends one frame whose payload is ``parts`` one after the other (see ``send``)."""
         try:
+            if self._bucket is None and not _needs_drain(self._writer):
+                write_frame_nowait(self._writer, kind, *parts)  # the common small frame: no await
+                return
             async with asyncio.timeout(timeout):
                 if self._bucket is None:
-                    await write_frame(self._writer, kind, payload)
+                    await write_frame(self._writer, kind, *parts)
                 else:
-                    await self._send_paced(kind, memoryview(payload), self._bucket)
+                    joined = parts[0] if len(parts) == 1 else b"".join(bytes(p) for p in parts)
+                    await self._send_paced(kind, memoryview(joined).cast("B"), self._bucket)
         except TimeoutError as e:
             raise PeerUnreachableError(f"send to {self.remote[:12]} passed {timeout:.1f} s") from e
         except ConnectionError as e:
@@ -120,7 +143,7 @@ class FrameStream:
 
     async def recv(
         self, *, max_payload: int, timeout: float, stall_timeout: float | None = None
-    ) -> tuple[FrameKind, bytes]:
+    ) -> tuple[FrameKind, bytes | bytearray]:
         """Receives one frame (see ``read_frame`` for errors)."""
         return await read_frame(
             self._reader, max_payload=max_payload, timeout=timeout, stall_timeout=stall_timeout
@@ -130,7 +153,7 @@ class FrameStream:
         """The next frame's kind and declared length; its payload is still to be read."""
         return await read_header(self._reader, timeout=timeout)
 
-    async def recv_exactly(self, n: int, *, stall_timeout: float) -> bytes:
+    async def recv_exactly(self, n: int, *, stall_timeout: float) -> bytes | bytearray:
         """``n`` more bytes of the current frame (see ``read_exactly``)."""
         return await read_exactly(self._reader, n, stall_timeout=stall_timeout)
 

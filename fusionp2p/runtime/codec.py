@@ -23,10 +23,12 @@ from fusionp2p.records import MAX_RECORD_BYTES, ExecControl, OpData, decode_reco
 
 __all__ = [
     "CONTROL_REPLY_BYTES",
+    "CREDIT",
     "EXEC_PROTOCOL",
     "ExecClient",
     "ExecHeader",
     "decode_header",
+    "message_parts",
     "pack_message",
     "read_message_header",
     "unpack_message",
@@ -34,16 +36,25 @@ __all__ = [
 
 EXEC_PROTOCOL = "/fusionp2p/exec/2"
 CONTROL_REPLY_BYTES = 4 << 10  # an ACK or an ERROR reason
+CREDIT = struct.Struct("!Q")  # an OpData ACK's payload: bytes the receiver takes in flight from this sender
 _LEN = struct.Struct("!H")
 ExecHeader = OpData | ExecControl
 
 
-def pack_message(header: ExecHeader, body: bytes = b"") -> bytes:
+def message_parts(
+    header: ExecHeader, body: bytes | bytearray | memoryview = b""
+) -> tuple[bytes, bytes | bytearray | memoryview]:
+    """A message as (length-prefixed header, body): written one after the other, no copy of the body."""
     wire = header.to_wire()
-    return _LEN.pack(len(wire)) + wire + body
+    return _LEN.pack(len(wire)) + wire, body
 
 
-def decode_header(data: bytes) -> ExecHeader:
+def pack_message(header: ExecHeader, body: bytes = b"") -> bytes:
+    prefix, _ = message_parts(header)
+    return prefix + body
+
+
+def decode_header(data: bytes | bytearray) -> ExecHeader:
     """Raises ProtocolError unless ``data`` is an OpData or ExecControl record."""
     try:
         header = decode_record(data)
@@ -54,7 +65,7 @@ def decode_header(data: bytes) -> ExecHeader:
     return header
 
 
-def unpack_message(payload: bytes) -> tuple[ExecHeader, bytes]:
+def unpack_message(payload: bytes | bytearray) -> tuple[ExecHeader, bytes | bytearray]:
     """Splits a whole message and decodes its header.
 
     Raises:
@@ -117,7 +128,7 @@ class ExecClient:
 
     async def request(
         self, header: ExecHeader, body: bytes = b"", *, max_reply: int = CONTROL_REPLY_BYTES
-    ) -> tuple[FrameKind, bytes]:
+    ) -> tuple[FrameKind, bytes | bytearray]:
         """Sends one message and returns the reply frame (ACK or DATA).
 
         Raises:

@@ -1,10 +1,11 @@
 """The compute side of a serving peer: one thread, one bounded queue, and readiness per job.
 
 Every executor's work (accepting an OpData, a data owner's local call, a step) runs on one
-compute thread, fed in order from a bounded queue; what it returns is handed back to the
-event loop (messages to send, whether the iteration's backward is done), never read from
-the executor by the loop. A full queue holds the reader of the next OpData back, and so
-its sender: back-pressure, not memory growth.
+compute thread, fed from a bounded queue, backward before forward (1F1B: a backward frees
+a micro-batch's memory) and in arrival order otherwise, several items per hop; what it
+returns is handed back to the event loop (messages to send, whether the iteration's
+backward is done), never read from the executor by the loop. A full queue holds the
+reader of the next OpData back, and so its sender: back-pressure, not memory growth.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from fusionp2p.errors import LimitError, ProtocolError
 from fusionp2p.net.transport import Transport
-from fusionp2p.runtime.executor import Message
+from fusionp2p.runtime.executor import Executor, Message
 from fusionp2p.runtime.jobs import Job, Work
 
 __all__ = ["ComputeQueue"]
@@ -26,6 +27,7 @@ __all__ = ["ComputeQueue"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_BATCH = 32  # queued items run per hop to the compute thread
 
 
 class ComputeQueue:
@@ -35,7 +37,8 @@ class ComputeQueue:
         self.transport = transport
         self.timeout = timeout
         self.rejected = 0  # OpData whose body the executor refused
-        self._inbox: asyncio.Queue[Work] = asyncio.Queue(depth)
+        self._inbox: asyncio.PriorityQueue[tuple[int, int, Work]] = asyncio.PriorityQueue(depth)
+        self._seq = 0  # keeps arrival order within a priority
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="fusionp2p-exec")
         self._progress = asyncio.Condition()
 
@@ -50,50 +53,75 @@ class ComputeQueue:
             LimitError: the queue stayed full.
         """
         work.job.queued += 1
-        try:
-            await asyncio.wait_for(self._inbox.put(work), self.timeout)
+        self._seq += 1
+        backward = work.header is not None and work.header.direction == "backward"
+        try:  # backward first (1F1B): it frees a micro-batch's memory, forward takes more
+            await asyncio.wait_for(self._inbox.put((0 if backward else 1, self._seq, work)), self.timeout)
         except TimeoutError:
             work.job.queued -= 1
             raise LimitError(f"compute queue full for {self.timeout:.0f} s") from None
 
     async def run(self) -> None:
         while True:
-            item = await self._inbox.get()
-            job = item.job
+            batch = [(await self._inbox.get())[-1]]
+            while len(batch) < _BATCH and not self._inbox.empty():
+                batch.append(self._inbox.get_nowait()[-1])
             try:
-                if not job.closed:
-                    await self._run(item)
+                await self._run_batch(batch)
             finally:
-                job.queued -= 1
-                if item.reservation is not None:
-                    item.reservation.release()
+                for item in batch:
+                    item.job.queued -= 1
+                    if item.reservation is not None:
+                        item.reservation.release()
                 await self.notify()
 
-    async def _run(self, item: Work) -> None:
-        job = item.job
-        executor, iteration, n = job.executor, job.iteration, job.setup.n_micro_batches
-        if item.call is not None:
-            work = item.call
-        else:
-            assert item.header is not None
-            work = functools.partial(executor.accept, item.header, item.body)
+    async def _run_batch(self, batch: list[Work]) -> None:
+        """Runs queued items in one hop to the compute thread (each one's failure is its own)."""
+        steps: list[tuple[Callable[[], list[Message]], Executor, int, int] | None] = []
+        for item in batch:
+            job = item.job
+            if job.closed:
+                steps.append(None)
+                continue
+            if item.call is not None:
+                work = item.call
+            else:
+                assert item.header is not None
+                work = functools.partial(job.executor.accept, item.header, item.body)
+            steps.append((work, job.executor, job.iteration, job.setup.n_micro_batches))
 
-        def run() -> tuple[list[Message], bool]:
-            return work(), executor.ready_to_step(iteration, n)
+        def run() -> list[tuple[list[Message], bool, Exception | None] | None]:
+            results: list[tuple[list[Message], bool, Exception | None] | None] = []
+            for step in steps:
+                if step is None:
+                    results.append(None)
+                    continue
+                work, executor, iteration, n = step
+                try:
+                    out = work()
+                    results.append((out, executor.ready_to_step(iteration, n), None))
+                except Exception as e:
+                    results.append(([], False, e))
+            return results
 
-        try:
-            out, job.backward_done = await self.in_pool(run)
-        except ProtocolError as e:
-            self.rejected += 1
-            job.fail(f"rejected OpData from stage {item.header.src_stage if item.header else '?'}: {e}")
-            return
-        except Exception as e:
-            logger.exception("job %s: the executor failed", job.name)
-            job.fail(f"{type(e).__name__}: {e}")
-            return
-        notify: Callable[[], Awaitable[None]] = self.notify
-        for message in out:
-            job.send(message, self.transport, self.timeout, notify)
+        for item, result in zip(batch, await self.in_pool(run), strict=True):
+            if result is None:
+                continue
+            job = item.job
+            out, ready, error = result
+            if isinstance(error, ProtocolError):
+                self.rejected += 1
+                job.fail(
+                    f"rejected OpData from stage {item.header.src_stage if item.header else '?'}: {error}"
+                )
+                continue
+            if error is not None:
+                logger.error("job %s: the executor failed", job.name, exc_info=error)
+                job.fail(f"{type(error).__name__}: {error}")
+                continue
+            job.backward_done = ready
+            for message in out:
+                await job.send(message, self.transport, self.timeout, self.notify)
 
     async def notify(self) -> None:
         async with self._progress:

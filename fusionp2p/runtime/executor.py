@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 from fusionp2p.records import OpData
 
-__all__ = ["Executor", "Message"]
+__all__ = ["Body", "Executor", "Message"]
+
+Body = bytes | bytearray | memoryview  # a tensor's bytes: received (bytearray) or a view of one to send
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,7 @@ class Message:
     """One OpData header and its tensor bytes, addressed by ``header.dst_stage``."""
 
     header: OpData
-    body: bytes
+    body: Body
 
 
 class Executor(abc.ABC):
@@ -42,7 +44,7 @@ class Executor(abc.ABC):
         """
 
     @abc.abstractmethod
-    def accept(self, header: OpData, body: bytes) -> list[Message]:
+    def accept(self, header: OpData, body: Body) -> list[Message]:
         """Takes one OpData, runs what became ready, returns the OpData to send on.
 
         Raises:
@@ -67,7 +69,7 @@ class Executor(abc.ABC):
         """The gradients accumulated in this iteration, as safetensors bytes."""
 
     @abc.abstractmethod
-    def load_state(self, data: bytes) -> int:
+    def load_state(self, data: bytes | bytearray) -> int:
         """Loads some of this stage's parameters from safetensors bytes (a state may come
         in several chunks); returns how many were loaded.
 

@@ -184,7 +184,7 @@ class JobSetup:
         ).encode()
 
     @classmethod
-    def from_json(cls, data: bytes, limits: ExecLimits | None = None) -> JobSetup:
+    def from_json(cls, data: bytes | bytearray, limits: ExecLimits | None = None) -> JobSetup:
         """Parses and bounds-checks a setup another peer sent.
 
         Raises:

@@ -3,32 +3,31 @@
 The executor is touched only on the compute thread; everything here only on the event
 loop. What the compute thread learns (whether this iteration's backward is done) comes
 back as the result of the work item, never by reading the executor from the loop.
-Outgoing OpData leaves through one ``ExecClient`` stream per destination stage.
+Outgoing OpData leaves through one windowed ``OpDataSender`` stream per destination stage.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from fusionp2p.config import ExecLimits
-from fusionp2p.errors import FusionP2PError, PeerUnreachableError
 from fusionp2p.net.limits import Reservation
 from fusionp2p.net.transport import Transport
 from fusionp2p.records import OpData
-from fusionp2p.runtime.codec import ExecClient
-from fusionp2p.runtime.executor import Executor, Message
+from fusionp2p.runtime.executor import Body, Executor, Message
 from fusionp2p.runtime.job_setup import JobSetup
+from fusionp2p.runtime.opdata_stream import OpDataSender
 
-__all__ = ["Job", "Work"]
+__all__ = ["Job", "Notify", "Work"]
 
 logger = logging.getLogger(__name__)
 
 _WEIGHTS_SLACK = 64 << 10  # safetensors header of a chunk
+Notify = Callable[[], Awaitable[None]]
 
 
 def opdata_key(header: OpData) -> tuple[object, ...]:
@@ -42,7 +41,7 @@ class Work:
 
     job: Job
     header: OpData | None = None
-    body: bytes = b""
+    body: Body = b""
     call: Callable[[], list[Message]] | None = None
     reservation: Reservation | None = None
 
@@ -66,9 +65,7 @@ class Job:
     closed: bool = False
     max_body: int = 0  # the largest body any message of this job may carry
     weights_limit: int = 0
-    _outboxes: dict[int, asyncio.Queue[Message]] = field(default_factory=dict)
-    _senders: dict[int, asyncio.Task[None]] = field(default_factory=dict)
-    _clients: list[ExecClient] = field(default_factory=list)
+    _senders: dict[int, OpDataSender] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         sizes = self.executor.state_sizes()
@@ -95,54 +92,36 @@ class Job:
             or (self.backward_done and self.queued == 0 and self.pending_sends == 0)
         )
 
-    def send(
-        self, message: Message, transport: Transport, timeout: float, notify: Callable[[], Awaitable[None]]
-    ) -> None:
-        """Queues ``message`` for its destination stage's stream (started on first use)."""
+    async def send(self, message: Message, transport: Transport, timeout: float, notify: Notify) -> None:
+        """Queues ``message`` on its destination stage's stream (opened on first use)."""
         stage = message.header.dst_stage
-        if stage not in self._outboxes:
-            client = ExecClient(transport, self.setup.peer_of(stage), timeout=timeout)
-            self._clients.append(client)
-            self._outboxes[stage] = asyncio.Queue()
-            self._senders[stage] = asyncio.create_task(
-                self._send_loop(stage, self._outboxes[stage], client, notify),
-                name=f"fusionp2p.exec-send-{self.name}-{stage}",
-            )
-        self.pending_sends += 1
-        self._outboxes[stage].put_nowait(message)
+        sender = self._senders.get(stage)
+        if sender is None:
 
-    async def _send_loop(
-        self,
-        stage: int,
-        queue: asyncio.Queue[Message],
-        client: ExecClient,
-        notify: Callable[[], Awaitable[None]],
-    ) -> None:
-        while True:
-            message = await queue.get()
-            try:
-                for attempt in range(2):
-                    try:
-                        await client.request(message.header, message.body)
-                        break
-                    except PeerUnreachableError:
-                        if attempt:
-                            raise
-            except FusionP2PError as e:
-                self.fail(f"sending to stage {stage}: {e}")
-            finally:
+            async def done(_: int) -> None:
                 self.pending_sends -= 1
                 await notify()
+
+            async def error(reason: str) -> None:
+                self.fail(f"sending to stage {stage}: {reason}")
+                await notify()
+
+            sender = OpDataSender(
+                transport, self.setup.peer_of(stage), timeout=timeout, on_done=done, on_error=error
+            )
+            self._senders[stage] = sender
+        self.pending_sends += 1
+        await sender.put(message)
+
+    def sending(self) -> tuple[int, int]:
+        """(messages waiting to be written, bytes written and not yet acknowledged), all stages."""
+        return (
+            sum(s.queued for s in self._senders.values()),
+            sum(s.in_flight_bytes for s in self._senders.values()),
+        )
 
     async def aclose(self) -> None:
         """Stops the senders and closes their streams."""
         self.closed = True
-        senders = list(self._senders.values())
-        for task in senders:
-            task.cancel()
-        await asyncio.gather(*senders, return_exceptions=True)
-        for client in self._clients:
-            with contextlib.suppress(Exception):
-                await client.aclose()
-        self._senders.clear()
-        self._outboxes.clear()
+        senders, self._senders = list(self._senders.values()), {}
+        await asyncio.gather(*(s.aclose() for s in senders))

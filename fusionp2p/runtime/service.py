@@ -34,7 +34,14 @@ from fusionp2p.net.limits import InboundBudget, RejectionLog, Reservation, Strea
 from fusionp2p.net.transport import FrameStream, Transport
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.records import MAX_RECORD_BYTES, ExecControl, OpData
-from fusionp2p.runtime.codec import EXEC_PROTOCOL, ExecHeader, pack_message, read_message_header
+from fusionp2p.runtime.codec import (
+    CREDIT,
+    EXEC_PROTOCOL,
+    ExecHeader,
+    pack_message,
+    read_message_header,
+    unpack_message,
+)
 from fusionp2p.runtime.compute import ComputeQueue
 from fusionp2p.runtime.engines import BuildStage, build_torch_stage
 from fusionp2p.runtime.executor import Executor, Message
@@ -137,7 +144,12 @@ class ExecutorService:
                     return await self._refuse(
                         stream, "oversized frame", f"{length} bytes > limit {self._max_frame()}", close=True
                     )
-                header = await read_message_header(stream, length, stall_timeout=stall)
+                if length <= limits.control_bytes:  # small: one read (the limit allowed this much anyway)
+                    header, prefetched = unpack_message(
+                        await stream.recv_exactly(length, stall_timeout=stall)
+                    )
+                else:
+                    header, prefetched = await read_message_header(stream, length, stall_timeout=stall), None
             except PeerUnreachableError:
                 return  # gone, stalled, or idle past the limit
             except ProtocolError as e:
@@ -147,10 +159,11 @@ class ExecutorService:
             except Exception as e:  # FusionP2PError as designed; anything else is a header we did not foresee
                 if not isinstance(e, FusionP2PError):
                     e = ProtocolError(f"cannot check this {header.KIND}: {type(e).__name__}: {e}")
-                if header.body_bytes > limits.control_bytes:
+                if prefetched is None and header.body_bytes > limits.control_bytes:
                     return await self._refuse(stream, "refused", str(e), close=True)
                 with contextlib.suppress(PeerUnreachableError):
-                    await stream.skip(header.body_bytes, stall_timeout=stall)
+                    if prefetched is None:
+                        await stream.skip(header.body_bytes, stall_timeout=stall)
                     await self._refuse(stream, "refused", str(e), close=False)
                     continue
                 return
@@ -162,14 +175,18 @@ class ExecutorService:
             except LimitError as e:
                 return await self._refuse(stream, "over budget", str(e), close=True)
             try:
-                body = await stream.recv_exactly(header.body_bytes, stall_timeout=stall)
+                body = (
+                    prefetched
+                    if prefetched is not None
+                    else await stream.recv_exactly(header.body_bytes, stall_timeout=stall)
+                )
             except PeerUnreachableError:
                 reservation.release()
                 return
             try:
                 if isinstance(header, OpData):
                     await self._take_opdata(stream.remote, header, body, reservation)
-                    reply_kind, reply = FrameKind.ACK, b""
+                    reply_kind, reply = FrameKind.ACK, CREDIT.pack(self._budget.free_for(stream.remote))
                 else:
                     try:
                         reply_kind, reply = await self._control(stream.remote, header, body)
@@ -250,7 +267,9 @@ class ExecutorService:
             )
 
     # ------------------------------------------------------------ OpData
-    async def _take_opdata(self, remote: str, header: OpData, body: bytes, reservation: Reservation) -> None:
+    async def _take_opdata(
+        self, remote: str, header: OpData, body: bytes | bytearray, reservation: Reservation
+    ) -> None:
         self._admit(remote, header)  # the job may have moved on while the body arrived
         job = self.jobs[header.job]
         job.seen.add(opdata_key(header))
@@ -282,7 +301,9 @@ class ExecutorService:
         await self.compute.step(self._job(job_name))
 
     # ------------------------------------------------------------ control
-    async def _control(self, remote: str, header: ExecControl, body: bytes) -> tuple[FrameKind, bytes]:
+    async def _control(
+        self, remote: str, header: ExecControl, body: bytes | bytearray
+    ) -> tuple[FrameKind, bytes]:
         if header.command == "ping":
             return FrameKind.ACK, b""
         if header.command == "setup":
@@ -297,7 +318,9 @@ class ExecutorService:
             job.busy -= 1
             job.touch()
 
-    async def _job_control(self, job: Job, header: ExecControl, body: bytes) -> tuple[FrameKind, bytes]:
+    async def _job_control(
+        self, job: Job, header: ExecControl, body: bytes | bytearray
+    ) -> tuple[FrameKind, bytes]:
         executor = job.executor
         if header.command == "weights":
             await self.in_pool(functools.partial(executor.load_state, body))
@@ -316,7 +339,7 @@ class ExecutorService:
         await self.step(job.name)
         return FrameKind.ACK, b""
 
-    async def _setup(self, remote: str, name: str, body: bytes) -> None:
+    async def _setup(self, remote: str, name: str, body: bytes | bytearray) -> None:
         self._admit_setup(remote, name)
         setup = JobSetup.from_json(body, self.policy.limits)
         if setup.job != name:

@@ -10,6 +10,7 @@ import torch
 from fusionp2p.compression import wire
 from fusionp2p.errors import ProtocolError, RecordError
 from fusionp2p.records import OpData, TopKHeader
+from fusionp2p.runtime.executor import Body
 
 __all__ = ["DTYPES", "body_bytes", "decode_body", "encode_body", "encode_grad_at", "max_body_bytes"]
 
@@ -51,15 +52,18 @@ def body_bytes(header: OpData) -> int | None:
     return header.numel * itemsize(header.dtype)
 
 
-def encode_body(tensor: torch.Tensor, ratio: float = 1.0) -> tuple[bytes, bytes, torch.Tensor | None]:
+def encode_body(
+    tensor: torch.Tensor, ratio: float = 1.0
+) -> tuple[bytes, bytes | memoryview, torch.Tensor | None]:
     """``(compression, body, kept)`` for ``tensor``: Top-K at ``ratio`` for float tensors
-    when > 1; ``kept`` holds the positions sent when the body is sparse (else None)."""
+    when > 1; ``kept`` holds the positions sent when the body is sparse (else None). A
+    dense body is a view of the tensor's own memory (no copy)."""
     tensor = tensor.detach().contiguous().cpu()
     if ratio > 1 and tensor.dtype in (torch.float32, torch.float16, torch.bfloat16) and tensor.numel():
         encoded = wire.encode(tensor, ratio)
         kept = encoded.indices if encoded.header.index_format != "dense" else None
         return encoded.header.to_wire(), encoded.body, kept
-    return b"", tensor.reshape(-1).view(torch.uint8).numpy().tobytes(), None
+    return b"", tensor.reshape(-1).view(torch.uint8).numpy().data, None
 
 
 def encode_grad_at(grad: torch.Tensor, kept: torch.Tensor) -> tuple[bytes, bytes]:
@@ -69,7 +73,7 @@ def encode_grad_at(grad: torch.Tensor, kept: torch.Tensor) -> tuple[bytes, bytes
 
 
 def decode_body(
-    header: OpData, body: bytes, kept: torch.Tensor | None = None
+    header: OpData, body: Body, kept: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The tensor an OpData carries, and the positions it kept when it came sparse.
 
@@ -108,4 +112,5 @@ def decode_body(
         raise ProtocolError(f"dense body of {len(body)} bytes, expected {expected} for {header.shape}")
     if not expected:
         return torch.zeros(header.shape, dtype=dtype), None
-    return torch.frombuffer(bytearray(body), dtype=dtype).reshape(header.shape), None
+    writable = body if isinstance(body, bytearray) else bytearray(body)  # a received payload already is
+    return torch.frombuffer(writable, dtype=dtype).reshape(header.shape), None

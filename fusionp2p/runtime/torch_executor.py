@@ -26,7 +26,7 @@ from fusionp2p.config import OptimizerConfig
 from fusionp2p.errors import ProtocolError
 from fusionp2p.opdag.split import Partition, Segment
 from fusionp2p.records import OpData
-from fusionp2p.runtime.executor import Executor, Message
+from fusionp2p.runtime.executor import Body, Executor, Message
 from fusionp2p.runtime.tensor_wire import (
     body_bytes,
     decode_body,
@@ -213,7 +213,7 @@ class TorchExecutor(Executor):
         return None
 
     # ----------------------------------------------------------------- data flow
-    def accept(self, header: OpData, body: bytes) -> list[Message]:
+    def accept(self, header: OpData, body: Body) -> list[Message]:
         if header.iteration != self.iteration:
             raise ProtocolError(f"OpData for iteration {header.iteration}, executor is at {self.iteration}")
         self.check(header)
@@ -357,7 +357,7 @@ class TorchExecutor(Executor):
         micro_batch: int,
         dst: int,
         compression: bytes,
-        body: bytes,
+        body: Body,
         *,
         zero: bool = False,
     ) -> OpData:
@@ -429,6 +429,7 @@ class TorchExecutor(Executor):
                 self._add_grad(mb, value, grad if grad is not None else torch.zeros_like(leaf))
                 continue
             kept = mb.received_kept.get(value)
+            body: Body
             if grad is None:
                 compression, body = b"", b""
             elif kept is not None:  # it came sparse: its exact gradient lives on the kept positions
@@ -474,7 +475,7 @@ class TorchExecutor(Executor):
             }
         )
 
-    def load_state(self, data: bytes) -> int:
+    def load_state(self, data: bytes | bytearray) -> int:
         try:
             tensors = safetensors.torch.load(bytes(data))
         except Exception as e:
