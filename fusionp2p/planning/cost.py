@@ -18,9 +18,30 @@ import numpy as np
 
 from fusionp2p.errors import ConfigError
 
-__all__ = ["PAPER_WIRE", "WIRE", "CompressionPolicy", "CostConfig", "WireFormat", "adaptive_ratios"]
+__all__ = [
+    "PAPER_WIRE",
+    "WIRE",
+    "CompressionPolicy",
+    "CostConfig",
+    "WireFormat",
+    "adaptive_ratios",
+    "in_flight",
+]
 
 _HEADER_BYTES = 32
+
+
+def in_flight(n_micro_batches: int, n_stages: int, stage: int | None = None) -> int:
+    """Micro-batches whose activations are held at once under 1F1B.
+
+    The runtime's data owner starts a micro-batch only while fewer than
+    ``min(n_b, S)`` are unfinished, so no stage ever holds more (``stage=None``: the window
+    the runtime enforces and checks memory against); in steady state stage ``k`` of ``S``
+    holds ``min(n_b, S - k)`` (what the estimate plans a stage's memory with).
+    """
+    if stage is None:
+        return max(1, min(n_micro_batches, n_stages))
+    return max(1, min(n_micro_batches, n_stages - stage))
 
 
 @dataclass(frozen=True, kw_only=True)

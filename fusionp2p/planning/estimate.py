@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fusionp2p.opdag.ir import OpDag
-from fusionp2p.planning.cost import CostConfig, adaptive_ratios
+from fusionp2p.planning.cost import CostConfig, adaptive_ratios, in_flight
 from fusionp2p.planning.topology import PlanningError, Topology
 
 __all__ = ["Estimate", "LinkEstimate", "Stage", "estimate"]
@@ -149,7 +149,7 @@ def estimate(
     n_stages = len(stages)
     memory = [
         cost.param_multiplier * sum(dag.nodes[i].param_bytes for i in s.nodes)
-        + min(n_b, n_stages - k) * sum(dag.nodes[i].saved_bytes for i in s.nodes)
+        + in_flight(n_b, n_stages, k) * sum(dag.nodes[i].saved_bytes for i in s.nodes)
         for k, s in enumerate(stages)
     ]
     per_peer: dict[int, float] = {}

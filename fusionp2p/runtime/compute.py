@@ -77,7 +77,7 @@ class ComputeQueue:
 
     async def _run_batch(self, batch: list[Work]) -> None:
         """Runs queued items in one hop to the compute thread (each one's failure is its own)."""
-        steps: list[tuple[Callable[[], list[Message]], Executor, int, int] | None] = []
+        steps: list[tuple[Callable[[], list[Message]], Executor, int] | None] = []
         for item in batch:
             job = item.job
             if job.closed:
@@ -88,27 +88,27 @@ class ComputeQueue:
             else:
                 assert item.header is not None
                 work = functools.partial(job.executor.accept, item.header, item.body)
-            steps.append((work, job.executor, job.iteration, job.setup.n_micro_batches))
+            steps.append((work, job.executor, job.iteration))
 
-        def run() -> list[tuple[list[Message], bool, Exception | None] | None]:
-            results: list[tuple[list[Message], bool, Exception | None] | None] = []
+        def run() -> list[tuple[list[Message], int, Exception | None] | None]:
+            results: list[tuple[list[Message], int, Exception | None] | None] = []
             for step in steps:
                 if step is None:
                     results.append(None)
                     continue
-                work, executor, iteration, n = step
+                work, executor, iteration = step
                 try:
                     out = work()
-                    results.append((out, executor.ready_to_step(iteration, n), None))
+                    results.append((out, executor.micro_batches_done(iteration), None))
                 except Exception as e:
-                    results.append(([], False, e))
+                    results.append(([], 0, e))
             return results
 
         for item, result in zip(batch, await self.in_pool(run), strict=True):
             if result is None:
                 continue
             job = item.job
-            out, ready, error = result
+            out, done, error = result
             if isinstance(error, ProtocolError):
                 self.rejected += 1
                 job.fail(
@@ -119,7 +119,7 @@ class ComputeQueue:
                 logger.error("job %s: the executor failed", job.name, exc_info=error)
                 job.fail(f"{type(error).__name__}: {error}")
                 continue
-            job.backward_done = ready
+            job.micro_batches_done = done
             for message in out:
                 await job.send(message, self.transport, self.timeout, self.notify)
 
@@ -127,19 +127,35 @@ class ComputeQueue:
         async with self._progress:
             self._progress.notify_all()
 
+    async def wait_done(self, job: Job, micro_batches: int) -> None:
+        """Waits until at least ``micro_batches`` of ``job``'s iteration finished backward here.
+
+        Raises:
+            ProtocolError: the job failed or was torn down, or did not get there in time.
+        """
+        await self._wait(
+            job, lambda: job.micro_batches_done >= micro_batches, f"{micro_batches} micro-batch(es)"
+        )
+
     async def wait_ready(self, job: Job) -> None:
         """Waits until ``job``'s iteration is done here: backward, queued work and sends.
 
         Raises:
             ProtocolError: the job failed or was torn down, or did not finish in time.
         """
+        await self._wait(job, job.ready, "its iteration")
+
+    async def _wait(self, job: Job, condition: Callable[[], bool], what: str) -> None:
+        def settled() -> bool:
+            return job.failure is not None or job.closed or condition()
+
         async with self._progress:
             try:
-                await asyncio.wait_for(self._progress.wait_for(job.ready), self.timeout)
+                await asyncio.wait_for(self._progress.wait_for(settled), self.timeout)
             except TimeoutError:
                 raise ProtocolError(
-                    f"stage {job.setup.stage} did not finish iteration {job.iteration} of job {job.name} "
-                    f"in {self.timeout:.0f} s"
+                    f"stage {job.setup.stage} did not finish {what} of iteration {job.iteration} of job "
+                    f"{job.name} in {self.timeout:.0f} s"
                 ) from None
         if job.failure is not None:
             raise ProtocolError(f"stage {job.setup.stage} of job {job.name} failed: {job.failure}")
@@ -153,13 +169,13 @@ class ComputeQueue:
             ProtocolError: the job failed, or its iteration did not finish in time.
         """
         await self.wait_ready(job)
-        executor, iteration, n = job.executor, job.iteration, job.setup.n_micro_batches
+        executor, iteration = job.executor, job.iteration
 
-        def step() -> bool:
+        def step() -> int:
             executor.step(iteration)
-            return executor.ready_to_step(iteration + 1, n)
+            return executor.micro_batches_done(iteration + 1)
 
-        job.backward_done = await self.in_pool(step)
+        job.micro_batches_done = await self.in_pool(step)
         job.iteration = iteration + 1
         job.seen.clear()
 

@@ -213,7 +213,10 @@ class PipelineDriver:
         """
         if len(batches) != self.n_micro_batches:
             raise ValueError(f"expected {self.n_micro_batches} micro-batches, got {len(batches)}")
+        window = self.setups[self.executor.stage].in_flight
         for m, (inputs, labels) in enumerate(batches):
+            if m >= window:  # 1F1B: a new micro-batch only when an old one finished its backward
+                await self.service.wait_done(self.job, m - window + 1)
             start = functools.partial(
                 self.executor.start, self.iteration, m, {self._input_name: inputs}, labels
             )

@@ -78,13 +78,13 @@ def build_torch_stage(setup: JobSetup, registry: ModelRegistry, max_memory: int 
         fake = None
     if fake is not None:
         need = stage_memory(
-            fake, _split(fake, setup), setup.stage, in_flight=setup.n_micro_batches, optimizer=setup.optimizer
+            fake, _split(fake, setup), setup.stage, in_flight=setup.in_flight, optimizer=setup.optimizer
         )
         _check_memory(need, setup, allowed)
         del fake
     traced = trace_spec(setup.spec, registry)
     part = _split(traced, setup)
-    need = stage_memory(traced, part, setup.stage, in_flight=setup.n_micro_batches, optimizer=setup.optimizer)
+    need = stage_memory(traced, part, setup.stage, in_flight=setup.in_flight, optimizer=setup.optimizer)
     _check_memory(need, setup, allowed)
     logger.info(
         "stage %d of job %s (%s): needs about %s of the %s allowed",

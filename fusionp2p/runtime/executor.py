@@ -53,8 +53,12 @@ class Executor(abc.ABC):
         """
 
     @abc.abstractmethod
+    def micro_batches_done(self, iteration: int) -> int:
+        """How many micro-batches of ``iteration`` finished backward here (0 for another iteration)."""
+
     def ready_to_step(self, iteration: int, n_micro_batches: int) -> bool:
         """Whether backward finished here for every micro-batch of ``iteration``."""
+        return self.micro_batches_done(iteration) >= n_micro_batches
 
     @abc.abstractmethod
     def step(self, iteration: int) -> None:

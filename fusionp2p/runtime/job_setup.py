@@ -20,6 +20,7 @@ from fusionp2p.config import ExecLimits, OptimizerConfig, load_json_object
 from fusionp2p.errors import ConfigError
 from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.opdag.split import Partition, op_node_names
+from fusionp2p.planning.cost import in_flight as in_flight_window
 
 __all__ = ["JobSetup"]
 
@@ -129,6 +130,7 @@ class JobSetup:
     optimizer: OptimizerConfig
     fingerprint: str  # of the data owner's traced graph
     ratios: tuple[tuple[int, float], ...] = ()  # Top-K ratio per destination stage
+    in_flight: int = 1  # micro-batches unfinished at once (1F1B window); memory is checked for this many
 
     def peer_of(self, stage: int) -> str:
         return self.peers[stage][0]
@@ -161,6 +163,7 @@ class JobSetup:
                 optimizer=optimizer,
                 fingerprint=part.fingerprint,
                 ratios=tuple(sorted((ratios or {}).items())),
+                in_flight=in_flight_window(n_micro_batches, part.n_stages),
             )
             for stage in range(part.n_stages)
         ]
@@ -180,6 +183,7 @@ class JobSetup:
                 "optimizer": self.optimizer.to_dict(),
                 "fingerprint": self.fingerprint,
                 "ratios": [[s, r] for s, r in self.ratios],
+                "in_flight": self.in_flight,
             }
         ).encode()
 
@@ -196,6 +200,7 @@ class JobSetup:
         if version != cls.VERSION:
             raise ConfigError(f"setup schema version {version!r:.20}; this peer reads {cls.VERSION}")
         n_stages = _int(body, "n_stages", 1, limits.max_stages)
+        n_micro_batches = _int(body, "n_micro_batches", 1, _MAX_MICRO_BATCHES)
         return cls(
             job=_str(body, "job", _JOB_RE),
             spec=ModelSpec.from_dict(body.get("spec")),
@@ -204,8 +209,9 @@ class JobSetup:
             stage=_int(body, "stage", 0, n_stages - 1),
             data_stage=_int(body, "data_stage", 0, n_stages - 1),
             peers=_peers(body.get("peers"), n_stages),
-            n_micro_batches=_int(body, "n_micro_batches", 1, _MAX_MICRO_BATCHES),
+            n_micro_batches=n_micro_batches,
             optimizer=OptimizerConfig.from_dict(body.get("optimizer")),
             fingerprint=_str(body, "fingerprint", re.compile(r"^[0-9a-f]{16}$")),
             ratios=_ratios(body.get("ratios", []), n_stages),
+            in_flight=_int(body, "in_flight", 1, n_micro_batches),
         )

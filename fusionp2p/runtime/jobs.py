@@ -56,7 +56,7 @@ class Job:
     limits: ExecLimits
     iteration: int = 0
     failure: str | None = None  # the first error; the job is broken from then on
-    backward_done: bool = False  # this iteration's backward finished here (from the compute thread)
+    micro_batches_done: int = 0  # of this iteration, backward finished here (from the compute thread)
     queued: int = 0  # work items waiting or running
     pending_sends: int = 0  # OpData handed to senders and not yet acknowledged
     busy: int = 0  # control requests being handled
@@ -86,10 +86,9 @@ class Job:
 
     def ready(self) -> bool:
         """Whether this iteration is done here: backward, every queued item and every send."""
+        done = self.micro_batches_done >= self.setup.n_micro_batches
         return (
-            self.failure is not None
-            or self.closed
-            or (self.backward_done and self.queued == 0 and self.pending_sends == 0)
+            self.failure is not None or self.closed or (done and self.queued == 0 and self.pending_sends == 0)
         )
 
     async def send(self, message: Message, transport: Transport, timeout: float, notify: Notify) -> None:
@@ -113,12 +112,9 @@ class Job:
         self.pending_sends += 1
         await sender.put(message)
 
-    def sending(self) -> tuple[int, int]:
-        """(messages waiting to be written, bytes written and not yet acknowledged), all stages."""
-        return (
-            sum(s.queued for s in self._senders.values()),
-            sum(s.in_flight_bytes for s in self._senders.values()),
-        )
+    def sending_bytes(self) -> int:
+        """Bytes of OpData queued to be sent or sent and not yet acknowledged, all stages."""
+        return sum(s.queued_bytes + s.in_flight_bytes for s in self._senders.values())
 
     async def aclose(self) -> None:
         """Stops the senders and closes their streams."""

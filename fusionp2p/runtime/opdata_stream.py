@@ -67,6 +67,7 @@ class OpDataSender:
         self._writer: asyncio.Task[None] | None = None
         self._last_used = 0.0
         self._outstanding = 0  # put and not yet done
+        self._queued_bytes = 0  # put and not yet written
         self.failure: str | None = None
 
     @property
@@ -75,9 +76,9 @@ class OpDataSender:
         return self._in_flight
 
     @property
-    def queued(self) -> int:
-        """Messages waiting to be written."""
-        return self._queue.qsize()
+    def queued_bytes(self) -> int:
+        """Bytes of the messages waiting to be written."""
+        return self._queued_bytes
 
     async def put(self, message: Message) -> None:
         """Queues ``message``; it is written as soon as the window allows."""
@@ -86,6 +87,7 @@ class OpDataSender:
                 self._write_loop(), name=f"fusionp2p.opdata-to-{self.peer_id[:8]}"
             )
         self._outstanding += 1
+        self._queued_bytes += len(message.body)
         await self._queue.put(message)
 
     async def _done(self, size: int) -> None:
@@ -114,18 +116,19 @@ class OpDataSender:
         while True:
             message = await self._queue.get()
             size = len(message.body)
+            written = False
             try:
                 async with self._changed:
-                    await asyncio.wait_for(
-                        self._changed.wait_for(functools.partial(self._window_open, size)), self.timeout
-                    )
+                    fits = functools.partial(self._window_open, size)
+                    await asyncio.wait_for(self._changed.wait_for(fits), self.timeout)
                 if self.failure is None:
                     stream = await self._ready_stream()
+                    self._queued_bytes -= size
                     self._unacked.append(size)
                     self._in_flight += size
-                    await stream.send_parts(
-                        FrameKind.DATA, *message_parts(message.header, message.body), timeout=self.timeout
-                    )
+                    written = True  # from here on, an ACK or a failure accounts for it
+                    parts = message_parts(message.header, message.body)
+                    await stream.send_parts(FrameKind.DATA, *parts, timeout=self.timeout)
                     self._last_used = time.monotonic()
                     continue
             except TimeoutError:
@@ -135,7 +138,9 @@ class OpDataSender:
                 )
             except FusionP2PError as e:
                 await self._fail(f"sending to {self.peer_id[:12]}: {e}")
-            await self._done(size)  # failed: this message will never be acknowledged
+            if not written:  # dropped after a failure: it will never be acknowledged
+                self._queued_bytes -= size
+                await self._done(size)
 
     async def _ready_stream(self) -> FrameStream:
         idle = time.monotonic() - self._last_used > self.reopen_after

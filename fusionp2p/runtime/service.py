@@ -284,6 +284,10 @@ class ExecutorService:
         """Runs ``call`` on the compute thread in turn with incoming OpData; sends what it returns."""
         await self.compute.put(Work(self._job(job_name), call=call))
 
+    async def wait_done(self, job_name: str, micro_batches: int) -> None:
+        """Waits until ``micro_batches`` of the job's iteration finished backward here."""
+        await self.compute.wait_done(self._job(job_name), micro_batches)
+
     async def wait_ready(self, job_name: str) -> None:
         """Waits until this stage finished the job's iteration: backward, queue and sends.
 
@@ -380,7 +384,7 @@ class ExecutorService:
         """Serves ``executor`` as stage ``setup.stage`` of ``setup.job``, obeying ``owner``
         (a data owner installs its own stage this way, with ``owner`` itself)."""
         job = Job(setup, executor, owner, self.policy.limits)
-        job.backward_done = executor.ready_to_step(0, setup.n_micro_batches)
+        job.micro_batches_done = executor.micro_batches_done(0)
         self.jobs[setup.job] = job
         logger.info(
             "stage %d of job %s set up for %s (inbound limit per message %s)",

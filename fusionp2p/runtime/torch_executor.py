@@ -444,15 +444,15 @@ class TorchExecutor(Executor):
         return out
 
     # ----------------------------------------------------------------- optimizer and state
-    def ready_to_step(self, iteration: int, n_micro_batches: int) -> bool:
+    def micro_batches_done(self, iteration: int) -> int:
         if iteration != self.iteration:
-            return False
-        for i in range(n_micro_batches):
+            return 0
+        done = 0
+        for i in range(self.n_micro_batches):
             mb = self._mbs.get(i)
-            done = mb.bwd_done if mb is not None else set()
-            if any(s not in done for s in self._work_segments):
-                return False
-        return True
+            finished = mb.bwd_done if mb is not None else set()
+            done += all(s in finished for s in self._work_segments)
+        return done
 
     def step(self, iteration: int) -> None:
         if iteration != self.iteration:
