@@ -68,7 +68,10 @@ class NullExecutor(Executor):
     def grads(self) -> bytes:
         return b""
 
-    def load_state(self, data: bytes) -> int:
+    def load_state(self, data: bytes | bytearray) -> int:
+        return 0
+
+    def missing_state(self) -> int:
         return 0
 
     def max_message_bytes(self) -> int:

@@ -286,6 +286,7 @@ _GOOD = {
     "fingerprint": "0123456789abcdef",
     "ratios": [[1, 4.0]],
     "in_flight": 2,
+    "engine": "torch",
 }
 _WRONG = [None, True, -1, 2**70, 1.5, "x" * 300, [], [[]], {}, {"a": [1]}, "../../etc"]
 

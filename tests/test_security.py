@@ -230,7 +230,7 @@ def test_a_model_over_max_memory_is_refused_before_allocation(net: Net, swarm: L
     message = net.run(setup_huge())
     after, peak_after = _rss(peer)
     assert "needs" in message and "more than the 1.0 GiB this peer allows (--max-memory)" in message
-    assert "model " in message and "activations" in message  # says what the need is made of
+    assert "stage state" in message and "activations" in message  # says what the need is made of
     assert peak_after - peak_before < 50 << 20, (peak_before, peak_after)
     assert after - before < 50 << 20
     driver = net.run(_job(net, peer))  # and it still takes a job that fits

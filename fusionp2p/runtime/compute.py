@@ -166,8 +166,11 @@ class ComputeQueue:
         """Once ``job``'s iteration is done here, applies the optimizer and moves on.
 
         Raises:
-            ProtocolError: the job failed, or its iteration did not finish in time.
+            ProtocolError: the job failed, its state is incomplete, or its iteration did not
+                finish in time.
         """
+        if job.state_missing:
+            raise ProtocolError(f"stage {job.setup.stage} still misses {job.state_missing} of its tensors")
         await self.wait_ready(job)
         executor, iteration = job.executor, job.iteration
 

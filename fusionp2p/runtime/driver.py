@@ -187,20 +187,25 @@ class PipelineDriver:
         )
         return driver
 
-    def _stage_weights(self, stage: int) -> dict[str, torch.Tensor]:
-        state = self.traced.program.state_dict
-        trainable = set(self.traced.program.graph_signature.inputs_to_parameters.values())
+    def _stage_tensors(self, stage: int, *, trainable_only: bool) -> dict[str, torch.Tensor]:
+        """A stage's tensors from this process's real trace: all of them (what the stage
+        starts from), or its trainable parameters (what fetch returns)."""
+        program = self.traced.program
+        state = {**getattr(program, "constants", {}), **program.state_dict}
+        trainable = set(program.graph_signature.inputs_to_parameters.values())
         return {
             name: state[name].detach().contiguous()
             for name in self.partition.params[stage]
-            if name in trainable
+            if name in trainable or not trainable_only
         }
 
     async def _setup_stage(self, stage: int) -> None:
         body = self.setups[stage].to_json()
         client = self._clients[stage]
         await client.request(ExecControl(command="setup", job=self.job, body_bytes=len(body)), body)
-        for chunk in _chunks(self._stage_weights(stage), self._limits.weights_chunk_bytes):
+        for chunk in _chunks(
+            self._stage_tensors(stage, trainable_only=False), self._limits.weights_chunk_bytes
+        ):
             data = safetensors.torch.save(chunk)
             await client.request(ExecControl(command="weights", job=self.job, body_bytes=len(data)), data)
 
@@ -257,7 +262,7 @@ class PipelineDriver:
         merged = dict(safetensors.torch.load(local))
 
         async def remote(stage: int, client: ExecClient) -> dict[str, torch.Tensor]:
-            weights = self._stage_weights(stage)
+            weights = self._stage_tensors(stage, trainable_only=True)
             limit = sum(t.numel() * t.element_size() for t in weights.values()) + _SAFETENSORS_SLACK
             kind, payload = await client.request(header, max_reply=limit + CONTROL_REPLY_BYTES)
             if kind is not FrameKind.DATA:

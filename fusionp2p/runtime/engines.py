@@ -3,8 +3,9 @@
 ``build_torch_stage`` resolves the spec's family in this peer's ``ModelRegistry`` (an
 unknown family is refused, nothing is imported), traces the model under a fake tensor
 mode (nothing allocated), checks the data owner's graph fingerprint and what the stage
-would need against ``max_memory``, and only then builds the real model and the
-executor. Another engine plugs in as another function of the same signature.
+needs against ``max_memory``, and only then allocates this stage's own tensors (never the
+whole model), for the data owner's weights to fill. Another engine plugs in as another
+function of the same signature (``ENGINES``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from fusionp2p.runtime.job_setup import JobSetup
 from fusionp2p.runtime.memory import StageMemory, stage_memory
 from fusionp2p.runtime.torch_executor import TorchExecutor
 
-__all__ = ["DEFAULT_MEMORY_FRACTION", "BuildStage", "build_torch_stage", "memory_allowance"]
+__all__ = ["DEFAULT_MEMORY_FRACTION", "ENGINES", "BuildStage", "build_torch_stage", "memory_allowance"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,10 @@ def _check_memory(need: StageMemory, setup: JobSetup, allowed: int) -> None:
 def build_torch_stage(setup: JobSetup, registry: ModelRegistry, max_memory: int | None) -> Executor:
     """This peer's stage of ``setup``, if its family is served here and it fits in memory.
 
+    The model is traced fake (nothing allocated) and only this stage's tensors are
+    materialized, empty, for the data owner's weights to fill. A factory that cannot be
+    traced fake is built and traced for real, and the whole model counts against memory.
+
     Raises:
         UnknownModelError: the family is not served by this peer.
         ConfigError: the config breaks the family's schema, or the graph differs from the
@@ -68,23 +73,16 @@ def build_torch_stage(setup: JobSetup, registry: ModelRegistry, max_memory: int 
     family, _ = setup.spec.resolve(registry)
     allowed = memory_allowance(max_memory)
     try:
-        fake = trace_spec(setup.spec, registry, fake=True)
+        traced, fake = trace_spec(setup.spec, registry, fake=True), True
     except ConfigError:
         raise
-    except Exception as e:  # a factory that cannot run without real tensors: measure it for real
-        logger.warning(
-            "model %r cannot be traced without allocating (%s); building it to measure", family.name, e
-        )
-        fake = None
-    if fake is not None:
-        need = stage_memory(
-            fake, _split(fake, setup), setup.stage, in_flight=setup.in_flight, optimizer=setup.optimizer
-        )
-        _check_memory(need, setup, allowed)
-        del fake
-    traced = trace_spec(setup.spec, registry)
+    except Exception as e:  # a factory that cannot run without real tensors: checked after the build
+        logger.warning("model %r cannot be traced without allocating (%s); building it", family.name, e)
+        traced, fake = trace_spec(setup.spec, registry), False
     part = _split(traced, setup)
-    need = stage_memory(traced, part, setup.stage, in_flight=setup.in_flight, optimizer=setup.optimizer)
+    need = stage_memory(
+        traced, part, setup.stage, in_flight=setup.in_flight, optimizer=setup.optimizer, whole_model=not fake
+    )
     _check_memory(need, setup, allowed)
     logger.info(
         "stage %d of job %s (%s): needs about %s of the %s allowed",
@@ -102,4 +100,8 @@ def build_torch_stage(setup: JobSetup, registry: ModelRegistry, max_memory: int 
         n_micro_batches=setup.n_micro_batches,
         optimizer=setup.optimizer,
         ratios=dict(setup.ratios),
+        materialize=not fake,
     )
+
+
+ENGINES: dict[str, BuildStage] = {"torch": build_torch_stage}  # what a PeerRecord's ``executors`` lists

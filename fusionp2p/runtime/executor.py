@@ -74,13 +74,17 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def load_state(self, data: bytes | bytearray) -> int:
-        """Loads some of this stage's parameters from safetensors bytes (a state may come
-        in several chunks); returns how many were loaded.
+        """Loads some of this stage's tensors (parameters, buffers, constants) from safetensors
+        bytes (a state comes in chunks); returns how many are still missing.
 
         Raises:
-            ProtocolError: not safetensors, a name this stage does not own, or a wrong
-                shape or dtype; nothing is loaded then.
+            ProtocolError: not safetensors, a name this stage does not hold, or a wrong shape
+                or dtype; nothing is loaded then.
         """
+
+    @abc.abstractmethod
+    def missing_state(self) -> int:
+        """How many of this stage's tensors have not been loaded yet (it cannot run before)."""
 
     @abc.abstractmethod
     def max_message_bytes(self) -> int:
@@ -88,4 +92,4 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def state_sizes(self) -> dict[str, int]:
-        """Bytes of each of this stage's parameters, by name (what ``load_state`` accepts)."""
+        """Bytes of each of this stage's tensors, by name (what ``load_state`` accepts)."""

@@ -25,6 +25,7 @@ from fusionp2p.planning.cost import in_flight as in_flight_window
 __all__ = ["JobSetup"]
 
 _JOB_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+_ENGINE_RE = re.compile(r"^[a-z0-9_\-]{1,32}$")
 _PEER_ID_RE = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")
 _MAX_NODES = 1 << 20
 _MAX_MADDRS = 8
@@ -131,6 +132,7 @@ class JobSetup:
     fingerprint: str  # of the data owner's traced graph
     ratios: tuple[tuple[int, float], ...] = ()  # Top-K ratio per destination stage
     in_flight: int = 1  # micro-batches unfinished at once (1F1B window); memory is checked for this many
+    engine: str = "torch"  # the execution engine that runs the stage (a PeerRecord lists its engines)
 
     def peer_of(self, stage: int) -> str:
         return self.peers[stage][0]
@@ -184,6 +186,7 @@ class JobSetup:
                 "fingerprint": self.fingerprint,
                 "ratios": [[s, r] for s, r in self.ratios],
                 "in_flight": self.in_flight,
+                "engine": self.engine,
             }
         ).encode()
 
@@ -214,4 +217,5 @@ class JobSetup:
             fingerprint=_str(body, "fingerprint", re.compile(r"^[0-9a-f]{16}$")),
             ratios=_ratios(body.get("ratios", []), n_stages),
             in_flight=_int(body, "in_flight", 1, n_micro_batches),
+            engine=_str(body, "engine", _ENGINE_RE),
         )

@@ -57,6 +57,7 @@ class Job:
     iteration: int = 0
     failure: str | None = None  # the first error; the job is broken from then on
     micro_batches_done: int = 0  # of this iteration, backward finished here (from the compute thread)
+    state_missing: int = 0  # tensors of this stage its owner has not sent yet: it cannot run before
     queued: int = 0  # work items waiting or running
     pending_sends: int = 0  # OpData handed to senders and not yet acknowledged
     busy: int = 0  # control requests being handled

@@ -1,9 +1,9 @@
 """What one stage of a job will hold in memory, computed before anything is allocated.
 
-From a traced model (a fake trace allocates nothing) and a partition: the whole model
-built once on the peer to trace it, this stage's own copy of its state, gradients and
-optimizer slots for its trainable parameters, and the activations its nodes keep for
-backward, times the micro-batches in flight. A peer refuses a stage whose total exceeds
+From a traced model (a fake trace allocates nothing) and a partition: this stage's own
+tensors, gradients and optimizer slots for its trainable parameters, the activations its
+nodes keep for backward times the micro-batches in flight, and, only where a model cannot
+be traced fake, the whole model the peer must build to trace it. A peer refuses a stage whose total exceeds
 its ``--max-memory``, before it builds anything.
 """
 
@@ -31,7 +31,7 @@ def optimizer_slots(config: OptimizerConfig) -> int:
 class StageMemory:
     """Bytes one stage needs, by what holds them."""
 
-    model: int  # the whole model, built once here to trace it (every peer does today)
+    model: int  # the whole model, when this peer must build it to trace it (0: a fake trace did)
     state: int  # this stage's own copy of its parameters, buffers and constants
     grads: int  # .grad of its trainable parameters
     optimizer: int  # optimizer slots of its trainable parameters
@@ -43,8 +43,9 @@ class StageMemory:
         return self.model + self.state + self.grads + self.optimizer + self.activations
 
     def describe(self) -> str:
+        built = f"model {format_bytes(self.model)} built to trace it, " if self.model else ""
         return (
-            f"{format_bytes(self.total)} (model {format_bytes(self.model)} built to trace it, "
+            f"{format_bytes(self.total)} ({built}"
             f"stage state {format_bytes(self.state)}, gradients {format_bytes(self.grads)}, "
             f"optimizer {format_bytes(self.optimizer)}, activations {format_bytes(self.activations)} "
             f"for {self.in_flight} micro-batch(es) in flight)"
@@ -56,9 +57,16 @@ def _nbytes(tensor: Any) -> int:
 
 
 def stage_memory(
-    traced: TracedModel, part: Partition, stage: int, *, in_flight: int, optimizer: OptimizerConfig
+    traced: TracedModel,
+    part: Partition,
+    stage: int,
+    *,
+    in_flight: int,
+    optimizer: OptimizerConfig,
+    whole_model: bool = False,
 ) -> StageMemory:
-    """The memory ``stage`` of ``part`` needs, from ``traced`` (fake or real)."""
+    """The memory ``stage`` of ``part`` needs, from ``traced`` (fake or real); with
+    ``whole_model`` the peer also builds the whole model (to trace it for real)."""
     program = traced.program
     tensors: Mapping[str, Any] = {**program.state_dict, **getattr(program, "constants", {})}
     trainable = set(program.graph_signature.inputs_to_parameters.values())
@@ -73,7 +81,7 @@ def stage_memory(
         if v in part.values and part.stage_of[v] != stage
     )
     return StageMemory(
-        model=sum(_nbytes(t) for t in tensors.values()),
+        model=sum(_nbytes(t) for t in tensors.values()) if whole_model else 0,
         state=state,
         grads=trained,
         optimizer=trained * optimizer_slots(optimizer),

@@ -23,7 +23,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -43,7 +43,7 @@ from fusionp2p.runtime.codec import (
     unpack_message,
 )
 from fusionp2p.runtime.compute import ComputeQueue
-from fusionp2p.runtime.engines import BuildStage, build_torch_stage
+from fusionp2p.runtime.engines import ENGINES, BuildStage
 from fusionp2p.runtime.executor import Executor, Message
 from fusionp2p.runtime.job_setup import JobSetup
 from fusionp2p.runtime.jobs import Job, Work, opdata_key
@@ -77,7 +77,7 @@ class ExecutorService:
         policy: ServicePolicy | None = None,
         *,
         registry: ModelRegistry | None = None,
-        build: BuildStage = build_torch_stage,
+        engines: Mapping[str, BuildStage] = ENGINES,
         gate: StreamGate | None = None,
     ) -> None:
         self.transport = transport
@@ -86,7 +86,7 @@ class ExecutorService:
         self.jobs: dict[str, Job] = {}
         self.rejected = 0  # messages refused with an ERROR reply
         limits = self.policy.limits
-        self._build = build
+        self._engines = dict(engines)
         self._gate = gate or StreamGate(per_peer=limits.streams_per_peer, total=limits.streams_total)
         self._budget = InboundBudget(total=limits.inbound_bytes, per_peer=limits.inbound_bytes_per_peer)
         depth = limits.inbox_depth * self.policy.max_jobs
@@ -236,6 +236,8 @@ class ExecutorService:
                 )
             if header.iteration != job.iteration:
                 raise ProtocolError(f"OpData for iteration {header.iteration}; the job is at {job.iteration}")
+            if job.state_missing:
+                raise ProtocolError(f"stage {setup.stage} still misses {job.state_missing} of its tensors")
             job.executor.check(header)
             if opdata_key(header) in job.seen:
                 what = f"{header.direction} OpData of {header.producer!r}, micro-batch {header.micro_batch}"
@@ -327,7 +329,7 @@ class ExecutorService:
     ) -> tuple[FrameKind, bytes]:
         executor = job.executor
         if header.command == "weights":
-            await self.in_pool(functools.partial(executor.load_state, body))
+            job.state_missing = await self.in_pool(functools.partial(executor.load_state, body))
             return FrameKind.ACK, b""
         if header.command == "teardown":
             await self._drop(job, "its owner tore it down")
@@ -354,10 +356,15 @@ class ExecutorService:
             )
         if setup.peer_of(setup.data_stage) != remote:
             raise ProtocolError("a job is set up by its data owner: the sender must run the data stage")
+        build = self._engines.get(setup.engine)
+        if build is None:
+            raise ProtocolError(
+                f"this peer runs no {setup.engine!r} engine (it offers {sorted(self._engines)})"
+            )
         self._setting_up.add(name)
         try:
             executor = await self.in_pool(
-                functools.partial(self._build, setup, self.registry, self.policy.max_memory_bytes)
+                functools.partial(build, setup, self.registry, self.policy.max_memory_bytes)
             )
             await self._connect(setup)
             self.install(executor, setup, owner=remote)
@@ -385,6 +392,7 @@ class ExecutorService:
         (a data owner installs its own stage this way, with ``owner`` itself)."""
         job = Job(setup, executor, owner, self.policy.limits)
         job.micro_batches_done = executor.micro_batches_done(0)
+        job.state_missing = executor.missing_state()
         self.jobs[setup.job] = job
         logger.info(
             "stage %d of job %s set up for %s (inbound limit per message %s)",

@@ -19,7 +19,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import safetensors.torch
 import torch
 
 from fusionp2p.config import OptimizerConfig
@@ -27,6 +26,7 @@ from fusionp2p.errors import ProtocolError
 from fusionp2p.opdag.split import Partition, Segment
 from fusionp2p.records import OpData
 from fusionp2p.runtime.executor import Body, Executor, Message
+from fusionp2p.runtime.stage_state import StageState
 from fusionp2p.runtime.tensor_wire import (
     body_bytes,
     decode_body,
@@ -79,20 +79,6 @@ class _MicroBatch:
     labels: torch.Tensor | None = None
 
 
-def _build_optimizer(
-    config: OptimizerConfig, params: list[torch.nn.Parameter]
-) -> torch.optim.Optimizer | None:
-    if not params:
-        return None
-    if config.name == "sgd":
-        return torch.optim.SGD(
-            params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
-        )
-    return torch.optim.AdamW(
-        params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
-    )
-
-
 class TorchExecutor(Executor):
     """Executes stage ``stage`` of ``partition`` over ``program`` (a ``torch.export`` program)."""
 
@@ -107,7 +93,10 @@ class TorchExecutor(Executor):
         optimizer: OptimizerConfig | None = None,
         loss_fn: LossFn | None = None,
         ratios: Mapping[int, float] | None = None,
+        materialize: bool = True,
     ) -> None:
+        """``materialize=False``: ``program`` may be a fake trace; this stage's tensors start
+        empty and ``load_state`` fills them (``missing_state`` says what is still to come)."""
         if not 0 <= stage < partition.n_stages:
             raise ValueError(f"stage {stage} not in [0, {partition.n_stages})")
         if n_micro_batches < 1:
@@ -124,28 +113,16 @@ class TorchExecutor(Executor):
         self._segments = partition.stage_segments(stage)
         self._work_segments = [s.id for s in self._segments if s.kind != "source"]
         signature = program.graph_signature
-        trainable = set(signature.inputs_to_parameters.values())
         placeholders = {
             **signature.inputs_to_parameters,
             **signature.inputs_to_buffers,
             **getattr(signature, "inputs_to_lifted_tensor_constants", {}),
         }
         mine = set(partition.params[stage])
-        self._state: dict[str, torch.Tensor] = {}
-        self.params: dict[str, torch.nn.Parameter] = {}
-        for target in mine:
-            source = program.state_dict.get(target)
-            if source is None:
-                source = program.constants[target]
-            tensor = source.detach().clone()
-            if target in trainable:
-                self.params[target] = torch.nn.Parameter(tensor)
-                self._state[target] = self.params[target]
-            else:
-                self._state[target] = tensor
+        self.state = StageState(
+            program, sorted(mine), optimizer=optimizer or OptimizerConfig(), materialize=materialize
+        )
         self._placeholder_state = {p: t for p, t in placeholders.items() if t in mine}
-        self._optimizer_config = optimizer or OptimizerConfig()
-        self._optimizer = _build_optimizer(self._optimizer_config, list(self.params.values()))
         self._mbs: dict[int, _MicroBatch] = {}
 
     # ----------------------------------------------------------------- validation
@@ -325,7 +302,7 @@ class TorchExecutor(Executor):
     def _lookup(self, env: dict[str, Any], node: torch.fx.Node) -> Any:
         if node.name in env:
             return env[node.name]
-        return self._state[self._placeholder_state[node.name]]
+        return self.state.tensors[self._placeholder_state[node.name]]
 
     def _send_forward(
         self, mb: _MicroBatch, micro_batch: int, seg: Segment, outputs: Mapping[str, torch.Tensor]
@@ -457,42 +434,27 @@ class TorchExecutor(Executor):
     def step(self, iteration: int) -> None:
         if iteration != self.iteration:
             raise ProtocolError(f"step for iteration {iteration}, executor is at {self.iteration}")
-        if self._optimizer is not None:
-            self._optimizer.step()
-            self._optimizer.zero_grad(set_to_none=True)
+        self.state.step()
         self.iteration += 1
         self._mbs.clear()
         self.losses.clear()
 
+    @property
+    def params(self) -> dict[str, torch.nn.Parameter]:
+        """This stage's trainable parameters, by state name."""
+        return self.state.params
+
     def state_dict(self) -> bytes:
-        return safetensors.torch.save({k: v.detach().contiguous() for k, v in self.params.items()})
+        return self.state.save()
 
     def grads(self) -> bytes:
-        return safetensors.torch.save(
-            {
-                k: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().contiguous()
-                for k, p in self.params.items()
-            }
-        )
+        return self.state.grads()
 
     def load_state(self, data: bytes | bytearray) -> int:
-        try:
-            tensors = safetensors.torch.load(bytes(data))
-        except Exception as e:
-            raise ProtocolError(f"weights are not valid safetensors: {str(e)[:200]}") from e
-        unknown = set(tensors) - set(self.params)
-        if unknown:
-            raise ProtocolError(f"weights of stage {self.stage}: it owns no {sorted(unknown)[:3]}")
-        for name, tensor in tensors.items():
-            param = self.params[name]
-            if tensor.shape != param.shape or tensor.dtype != param.dtype:
-                raise ProtocolError(
-                    f"weight {name}: {tuple(tensor.shape)}/{tensor.dtype}, expected {tuple(param.shape)}"
-                )
-        with torch.no_grad():
-            for name, tensor in tensors.items():
-                self.params[name].copy_(tensor)
-        return len(tensors)
+        return self.state.load(data)
+
+    def missing_state(self) -> int:
+        return len(self.state.missing)
 
     def state_sizes(self) -> dict[str, int]:
-        return {k: p.numel() * p.element_size() for k, p in self.params.items()}
+        return self.state.sizes()

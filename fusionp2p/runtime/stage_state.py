@@ -1,0 +1,114 @@
+"""One stage's state: its parameters, buffers and constants, their optimizer, as safetensors.
+
+A data owner's stage (or a test's) takes its tensors from the real traced program. A
+peer's stage is built from a *fake* trace and materializes only its own tensors, empty,
+until the data owner's safetensors chunks fill them: no peer builds the whole model.
+Until every tensor arrived, ``missing`` names what is still to come.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from fusionp2p.config import OptimizerConfig
+from fusionp2p.errors import ProtocolError
+
+__all__ = ["StageState"]
+
+
+def _optimizer(config: OptimizerConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer | None:
+    if not params:
+        return None
+    if config.name == "sgd":
+        return torch.optim.SGD(
+            params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+        )
+    return torch.optim.AdamW(
+        params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+    )
+
+
+class StageState:
+    """The tensors of ``names`` (state names of ``program``), trainable ones as Parameters."""
+
+    def __init__(
+        self,
+        program: Any,
+        names: Iterable[str],
+        *,
+        optimizer: OptimizerConfig,
+        materialize: bool = True,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        trainable = set(program.graph_signature.inputs_to_parameters.values())
+        sources: Mapping[str, Any] = {**getattr(program, "constants", {}), **program.state_dict}
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.params: dict[str, torch.nn.Parameter] = {}
+        for name in names:
+            source = sources[name]
+            if materialize:
+                tensor = source.detach().clone().to(device)
+            else:  # shape and dtype from the fake trace; the values come from the data owner
+                tensor = torch.empty(tuple(source.shape), dtype=source.dtype, device=device)
+            if name in trainable:
+                self.params[name] = torch.nn.Parameter(tensor)
+                self.tensors[name] = self.params[name]
+            else:
+                self.tensors[name] = tensor
+        self.missing: set[str] = set() if materialize else set(self.tensors)
+        self._optimizer = _optimizer(optimizer, list(self.params.values()))
+
+    def sizes(self) -> dict[str, int]:
+        """Bytes of every tensor, by name (what ``load`` accepts)."""
+        return {k: t.numel() * t.element_size() for k, t in self.tensors.items()}
+
+    def load(self, data: bytes | bytearray) -> int:
+        """Copies tensors from safetensors bytes (all or some of them); how many are still missing.
+
+        Raises:
+            ProtocolError: not safetensors, a name this stage does not hold, or a wrong shape
+                or dtype; nothing is loaded then.
+        """
+        try:
+            tensors = safetensors.torch.load(bytes(data))
+        except Exception as e:
+            raise ProtocolError(f"weights are not valid safetensors: {str(e)[:200]}") from e
+        unknown = set(tensors) - set(self.tensors)
+        if unknown:
+            raise ProtocolError(f"this stage holds no {sorted(unknown)[:3]}")
+        for name, tensor in tensors.items():
+            mine = self.tensors[name]
+            if tensor.shape != mine.shape or tensor.dtype != mine.dtype:
+                raise ProtocolError(
+                    f"weight {name}: {tuple(tensor.shape)}/{tensor.dtype}, expected "
+                    f"{tuple(mine.shape)}/{mine.dtype}"
+                )
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                self.tensors[name].copy_(tensor)
+        self.missing -= set(tensors)
+        return len(self.missing)
+
+    def save(self, names: Iterable[str] | None = None) -> bytes:
+        """The parameters (or the tensors ``names``) as safetensors bytes."""
+        chosen = self.params if names is None else {n: self.tensors[n] for n in names}
+        return safetensors.torch.save({k: v.detach().cpu().contiguous() for k, v in chosen.items()})
+
+    def grads(self) -> bytes:
+        """The parameters' accumulated gradients (zeros where none) as safetensors bytes."""
+        return safetensors.torch.save(
+            {
+                k: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu().contiguous()
+                for k, p in self.params.items()
+            }
+        )
+
+    def step(self) -> None:
+        """Applies the optimizer and clears the gradients."""
+        if self._optimizer is not None:
+            self._optimizer.step()
+            self._optimizer.zero_grad(set_to_none=True)
