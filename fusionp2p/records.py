@@ -369,6 +369,7 @@ class OpData(_WireRecord):
     zero: bool = False  # backward: the gradient is all zeros and no body follows
     src_stage: int = 0
     dst_stage: int = 0
+    plan_version: int = 1  # the version of the job's plan it was sent under; others are dropped
 
     def __post_init__(self) -> None:
         if self.direction not in OPDATA_DIRECTIONS:

@@ -22,19 +22,24 @@ import torch
 from hivemind.p2p import P2P
 
 from fusionp2p.config import DEFAULT_SWARM, OptimizerConfig
-from fusionp2p.errors import SwarmError
+from fusionp2p.data_owner import plan_job, probe_from, self_record
+from fusionp2p.errors import ConfigError, SwarmError
 from fusionp2p.net.dht_node import start_dht
 from fusionp2p.net.directory import SwarmDirectory
 from fusionp2p.net.transport import P2PTransport
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.opdag.split import Partition
+from fusionp2p.opdag.trace import trace_spec
+from fusionp2p.planning import CompressionPolicy, CostConfig, Plan, Topology, estimate_segments
+from fusionp2p.planning.estimate import Estimate
 from fusionp2p.records import LinkRecord, PeerRecord
 from fusionp2p.runtime.driver import PipelineDriver
 
 __all__ = ["Pipeline", "Swarm"]
 
 T = TypeVar("T")
+NO_COMPRESSION = CompressionPolicy(kind="none")
 
 
 async def _end_loop_tasks(p2p: P2P | None) -> None:
@@ -122,6 +127,10 @@ class Swarm:
             self._thread.start()
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Runs ``coro`` on this Swarm's event loop (where its libp2p handle lives); its result."""
+        return self._run(coro)
+
     def peers(self) -> list[PeerRecord]:
         """Live peers (unexpired records, not leaving), sorted by PeerID."""
         return self._run(self.apeers())
@@ -130,57 +139,159 @@ class Swarm:
         """Measured links whose two ends are live peers, sorted by (src, dst)."""
         return self._run(self.alinks())
 
+    async def _transport(self) -> P2PTransport:
+        """This process's libp2p handle for streams (one, on this Swarm's loop)."""
+        self._p2p = self._p2p or await self._dht.replicate_p2p()
+        return P2PTransport(self._p2p)
+
+    async def atopology(self, *, max_peers: int = 16, probe_bytes: int = 1 << 20) -> Topology:
+        """The swarm as a planner sees it, with this process (the data owner) in it: the live
+        peers (the ``max_peers`` fastest), their measured links, this device (measured once,
+        cached) and this process's links to each of them (probed now).
+
+        Raises:
+            PlanningError: no live peer, or a peer no measured link reaches.
+        """
+        transport = await self._transport()
+        peers = sorted(await self.apeers(), key=lambda p: -p.fp32_flops)[:max_peers]
+        chosen = {p.peer_id for p in peers}
+        links = [lk for lk in await self.alinks() if lk.src in chosen and lk.dst in chosen]
+        me = await asyncio.to_thread(self_record, transport.peer_id)
+        mine = await probe_from(transport, peers, nbytes=probe_bytes)
+        return Topology.from_records([*peers, me], [*links, *mine])
+
+    async def aplan(
+        self,
+        spec: ModelSpec,
+        *,
+        method: str = "op-fence",
+        n_micro_batches: int = 8,
+        compression: CompressionPolicy | None = None,
+        registry: ModelRegistry | None = None,
+        topology: Topology | None = None,
+    ) -> Plan:
+        """Plans ``spec``'s model over the live peers (this process keeps the inputs and the
+        loss): OP-Fence by default, or a baseline by name (``data_owner.PLAN_METHODS``).
+        Top-K is off unless ``compression`` says otherwise (it costs convergence).
+
+        Raises:
+            ConfigError: an unknown method, family or config.
+            PlanningError: no peers, or the model fits nowhere.
+        """
+        topo = topology or await self.atopology()
+        registry = registry or ModelRegistry.for_data_owner(spec.family)
+        traced = await asyncio.to_thread(trace_spec, spec, registry, fake=True)
+        cost = CostConfig(n_micro_batches=n_micro_batches, compression=compression or NO_COMPRESSION)
+        transport = await self._transport()
+        return plan_job(traced.dag, topo, transport.peer_id, method=method, cost=cost)
+
+    def topology(self, **kwargs: Any) -> Topology:
+        """Sync ``atopology``."""
+        return self._run(self.atopology(**kwargs))
+
+    def plan(self, spec: ModelSpec, **kwargs: Any) -> Plan:
+        """Sync ``aplan``."""
+        return self._run(self.aplan(spec, **kwargs))
+
     def pipeline(
         self,
         spec: ModelSpec,
         *,
-        n_stages: int = 2,
+        plan: Plan | str | None = None,
+        n_stages: int | None = None,
         assignment: Sequence[int] | None = None,
-        n_micro_batches: int = 1,
+        n_micro_batches: int | None = None,
         optimizer: OptimizerConfig | None = None,
         loss: str = "lm",
         ratios: dict[int, float] | None = None,
         timeout: float = 120.0,
         registry: ModelRegistry | None = None,
     ) -> Pipeline:
-        """Splits ``spec``'s model into ``n_stages`` stages and sets it up on live peers.
+        """Sets ``spec``'s model up over live peers; this process runs stage 0 (it reads the
+        raw inputs and computes the loss, which never leave it).
 
-        Stage 0 runs here (it reads the raw inputs and computes the loss); stages 1.. go
-        to the fastest live peers (measured FLOP/s). Without ``assignment`` (a stage per
-        operator node) the stages get contiguous pieces of equal FLOPs. Each peer builds
-        the model only if it serves ``spec.family`` (built in, or enabled by its operator
-        with ``--allow-model``); ``registry`` is what this process builds it from
+        By default OP-Fence plans the model over the live peers (``plan="op-fence"``); a
+        baseline by name, or a ``Plan`` from ``swarm.plan``, runs as given. With
+        ``n_stages`` (and optionally ``assignment``, a stage per operator node) the model
+        goes to the ``n_stages - 1`` fastest peers instead, in contiguous pieces of equal
+        FLOPs unless ``assignment`` says otherwise. Each peer builds only its stage, and only
+        if it serves ``spec.family`` (built in, or enabled by its operator with
+        ``--allow-model``); ``registry`` is what this process builds the model from
         (default: built-ins, installed entry points, and ``spec.family`` if it is an
         import path).
 
         Raises:
             SwarmError: fewer live peers than ``n_stages - 1``.
-            ConfigError: the model's config breaks its family's schema.
+            ConfigError: a bad config, plan method, or a plan of another model.
+            PlanningError: planning found no peers or no fit.
             ProtocolError: a peer refused its stage (an unknown family, too little
                 memory, busy); the peer's reason is in the message.
         """
-        peers = sorted(self.peers(), key=lambda p: -p.fp32_flops)[: n_stages - 1]
-        if len(peers) < n_stages - 1:
-            raise SwarmError(f"{n_stages} stages need {n_stages - 1} live peers, the swarm has {len(peers)}")
-
-        async def create() -> PipelineDriver:
-            self._p2p = self._p2p or await self._dht.replicate_p2p()
-            transport = P2PTransport(self._p2p)
-            stage_peers: list[tuple[str, Sequence[str]]] = [(transport.peer_id, [])] + [
-                (p.peer_id, list(p.maddrs)) for p in peers
-            ]
-            return await PipelineDriver.create(
-                transport,
+        if n_stages is not None or assignment is not None:
+            return self._fixed_pipeline(
                 spec,
+                n_stages or 2,
                 assignment,
-                stage_peers,
-                n_micro_batches=n_micro_batches,
+                n_micro_batches=n_micro_batches or 1,
                 optimizer=optimizer,
                 loss=loss,
                 ratios=ratios,
                 timeout=timeout,
                 registry=registry,
             )
+        if not isinstance(plan, Plan):
+            plan = self.plan(
+                spec, method=plan or "op-fence", n_micro_batches=n_micro_batches or 8, registry=registry
+            )
+        if n_micro_batches is not None and n_micro_batches != plan.n_micro_batches:
+            raise ConfigError(
+                f"the plan is for {plan.n_micro_batches} micro-batches, not {n_micro_batches}: plan again"
+            )
+        live = {p.peer_id: p for p in self.peers()}
+
+        async def create() -> PipelineDriver:
+            transport = await self._transport()
+            order, layout, link_ratios = plan.layout(transport.peer_id)
+            missing = [p[-8:] for p in order[1:] if p not in live]
+            if missing:
+                raise SwarmError(f"peers {missing} of the plan are no longer live: plan again")
+            stage_peers: list[tuple[str, Sequence[str]]] = [(transport.peer_id, [])]
+            stage_peers += [(p, list(live[p].maddrs)) for p in order[1:]]
+            return await PipelineDriver.create(
+                transport,
+                spec,
+                layout,
+                stage_peers,
+                n_micro_batches=plan.n_micro_batches,
+                optimizer=optimizer,
+                loss=loss,
+                link_ratios=link_ratios,
+                plan_version=plan.version,
+                timeout=timeout,
+                registry=registry,
+                expect_dag=plan.dag,
+            )
+
+        driver = self._run(create())
+        return Pipeline(self, driver, [live[p] for p, _ in driver.setups[0].peers[1:]], plan=plan)
+
+    def _fixed_pipeline(
+        self,
+        spec: ModelSpec,
+        n_stages: int,
+        assignment: Sequence[int] | None,
+        **kwargs: Any,
+    ) -> Pipeline:
+        peers = sorted(self.peers(), key=lambda p: -p.fp32_flops)[: n_stages - 1]
+        if len(peers) < n_stages - 1:
+            raise SwarmError(f"{n_stages} stages need {n_stages - 1} live peers, the swarm has {len(peers)}")
+
+        async def create() -> PipelineDriver:
+            transport = await self._transport()
+            stage_peers: list[tuple[str, Sequence[str]]] = [(transport.peer_id, [])] + [
+                (p.peer_id, list(p.maddrs)) for p in peers
+            ]
+            return await PipelineDriver.create(transport, spec, assignment, stage_peers, **kwargs)
 
         return Pipeline(self, self._run(create()), peers)
 
@@ -218,10 +329,25 @@ class Pipeline:
     labels and the loss stay in this process.
     """
 
-    def __init__(self, swarm: Swarm, driver: PipelineDriver, peers: list[PeerRecord]) -> None:
+    def __init__(
+        self, swarm: Swarm, driver: PipelineDriver, peers: list[PeerRecord], *, plan: Plan | None = None
+    ) -> None:
         self._swarm = swarm
         self.driver = driver
         self.peers = peers  # the owners of stages 1.. (stage 0 is this process)
+        self.plan = plan  # what it runs, when it was planned
+
+    def estimate(self, topology: Topology, *, cost: CostConfig | None = None) -> Estimate:
+        """The cost model's estimate of what this pipeline runs (its real partition, this
+        process's own stage included) on ``topology`` (``swarm.topology()``)."""
+        part = self.driver.partition
+        owners = [peer for peer, _ in self.driver.setups[0].peers]
+        segments = [(owners[seg.stage], seg.nodes) for seg in part.segments if seg.kind == "ops"]
+        ratios = {
+            (owners[a], owners[b]): r for a, setup in enumerate(self.driver.setups) for b, r in setup.ratios
+        }
+        cost = cost or CostConfig(n_micro_batches=self.driver.n_micro_batches, compression=NO_COMPRESSION)
+        return estimate_segments(self.driver.traced.dag, topology, segments, cost, ratios)
 
     @property
     def partition(self) -> Partition:

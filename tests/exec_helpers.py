@@ -75,7 +75,7 @@ def fake_setups(
     n = len(op_node_names(traced.program.graph))
     part = partition(traced.program, [i * len(peers) // n for i in range(n)], len(peers))
     return JobSetup.for_stages(
-        job, spec, traced.program, part, peers, n_micro_batches=n_micro_batches, optimizer=OptimizerConfig()
+        job, spec, traced, part, peers, n_micro_batches=n_micro_batches, optimizer=OptimizerConfig()
     )
 
 

@@ -283,10 +283,11 @@ _GOOD = {
     "peers": [[OWNER, []], [STAGE, ["/ip4/127.0.0.1/tcp/1"]]],
     "n_micro_batches": 2,
     "optimizer": {"name": "sgd", "lr": 0.1},
-    "fingerprint": "0123456789abcdef",
+    "fingerprint": "gpt2@0123456789abcdef:0123456789abcdef",
     "ratios": [[1, 4.0]],
     "in_flight": 2,
     "engine": "torch",
+    "plan_version": 1,
 }
 _WRONG = [None, True, -1, 2**70, 1.5, "x" * 300, [], [[]], {}, {"a": [1]}, "../../etc"]
 

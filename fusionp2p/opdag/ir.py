@@ -6,6 +6,7 @@ analytic model description can produce it.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -88,6 +89,13 @@ class OpDag:
 
     def __len__(self) -> int:
         return len(self.nodes)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """``name:hash`` of the node ids in order: a planner and a runtime that split the same
+        OP-DAG agree on it (a traced model's name carries its graph's own fingerprint)."""
+        digest = hashlib.sha256("\n".join(n.id for n in self.nodes).encode()).hexdigest()[:16]
+        return f"{self.name[:40]}:{digest}"
 
     @cached_property
     def index(self) -> dict[str, int]:

@@ -34,7 +34,16 @@ import torch
 
 from fusionp2p.errors import ConfigError
 
-__all__ = ["LOSS", "Partition", "Segment", "ValueInfo", "balanced_assignment", "op_node_names", "partition"]
+__all__ = [
+    "LOSS",
+    "Partition",
+    "Segment",
+    "ValueInfo",
+    "balanced_assignment",
+    "graph_fingerprint",
+    "op_node_names",
+    "partition",
+]
 
 LOSS = "output"  # the graph's output node: the data owner's loss reads it
 
@@ -121,6 +130,8 @@ def balanced_assignment(flops: Sequence[float], n_stages: int) -> list[int]:
 
 
 def graph_fingerprint(graph: torch.fx.Graph) -> str:
+    """Short hash of every node's op, name, target and inputs: equal where the same model
+    traced to the same graph."""
     digest = hashlib.sha256()
     for node in graph.nodes:
         digest.update(

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fusionp2p.opdag.ir import OpDag, OpNode
+from fusionp2p.opdag.split import graph_fingerprint
 
 if TYPE_CHECKING:
     from fusionp2p.opdag.families import ModelRegistry
@@ -171,7 +172,9 @@ def trace_module(
                 tied=tuple(dict.fromkeys(tied)),
             )
         )
-    return TracedModel(program, OpDag(tuple(nodes), name=name or type(module).__name__))
+    # the name carries the graph's own fingerprint, so OpDag.fingerprint tells graphs apart
+    label = f"{name or type(module).__name__}@{graph_fingerprint(program.graph)}"
+    return TracedModel(program, OpDag(tuple(nodes), name=label))
 
 
 def trace_spec(spec: ModelSpec, registry: ModelRegistry | None = None, *, fake: bool = False) -> TracedModel:

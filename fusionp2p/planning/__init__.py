@@ -22,7 +22,7 @@ from fusionp2p.planning.cost import (
     WireFormat,
     adaptive_ratios,
 )
-from fusionp2p.planning.estimate import Estimate, LinkEstimate, Stage, estimate
+from fusionp2p.planning.estimate import Estimate, LinkEstimate, Stage, estimate, estimate_segments
 from fusionp2p.planning.exact import exact_plan, is_chain
 from fusionp2p.planning.opfence import op_fence
 from fusionp2p.planning.plan import Plan
@@ -46,6 +46,7 @@ __all__ = [
     "baseline_plan",
     "cluster_peers",
     "estimate",
+    "estimate_segments",
     "exact_plan",
     "is_chain",
     "op_fence",

@@ -21,7 +21,7 @@ from fusionp2p.opdag.ir import OpDag
 from fusionp2p.planning.cost import CostConfig, adaptive_ratios, in_flight
 from fusionp2p.planning.topology import PlanningError, Topology
 
-__all__ = ["Estimate", "LinkEstimate", "Stage", "estimate"]
+__all__ = ["Estimate", "LinkEstimate", "Stage", "estimate", "estimate_segments"]
 
 
 @dataclass(frozen=True)
@@ -166,3 +166,37 @@ def estimate(
         memory_bytes=tuple(float(m) for m in memory),
         fits=fits,
     )
+
+
+def estimate_segments(
+    dag: OpDag,
+    topo: Topology,
+    segments: Sequence[tuple[str, Sequence[str]]],
+    cost: CostConfig,
+    ratios: dict[tuple[str, str], float] | None = None,
+) -> Estimate:
+    """The estimate of what a runtime actually runs: ``segments`` are (peer id, OP-DAG node
+    ids) in an order where data only flows forward (a partition's segments by wave), several
+    per peer where a peer runs non-contiguous parts; ``ratios[(src, dst)]`` by peer id
+    (links not named are dense, as the runtime sends them).
+
+    Raises:
+        PlanningError: a peer or node the topology or OP-DAG does not know.
+    """
+    peer_index = {p: i for i, p in enumerate(topo.peer_ids)}
+    stages = []
+    for peer, nodes in segments:
+        if peer not in peer_index:
+            raise PlanningError(f"peer {peer[-8:]} is not in the topology")
+        unknown = [n for n in nodes if n not in dag.index]
+        if unknown:
+            raise PlanningError(f"nodes {unknown[:3]} are not in the OP-DAG")
+        stages.append(Stage(peer_index[peer], tuple(dag.index[n] for n in nodes)))
+    peers = [p for p, _ in segments]
+    by_stage = {  # what the runtime sends: the given ratios, dense elsewhere
+        (a, b): (ratios or {}).get((peers[a], peers[b]), 1.0)
+        for a in range(len(segments))
+        for b in range(len(segments))
+        if peers[a] != peers[b]
+    }
+    return estimate(dag, topo, stages, cost, by_stage)

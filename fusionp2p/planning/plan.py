@@ -6,7 +6,6 @@ stage (node sets as ranges of the OP-DAG's topological order, outgoing links wit
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -16,13 +15,14 @@ from fusionp2p.planning.estimate import Estimate, Stage
 from fusionp2p.planning.topology import PlanningError, Topology
 from fusionp2p.records import PlanStageRecord
 
-__all__ = ["Plan", "dag_fingerprint", "node_ranges"]
+__all__ = ["Plan", "RuntimeRatios", "dag_fingerprint", "node_ranges"]
+
+RuntimeRatios = dict[tuple[int, int], float]  # (sending stage, receiving stage) -> Top-K ratio
 
 
 def dag_fingerprint(dag: OpDag) -> str:
-    """Short hash of the OP-DAG's node ids and order: peers check they split the same graph."""
-    digest = hashlib.sha256("\n".join(n.id for n in dag.nodes).encode()).hexdigest()[:16]
-    return f"{dag.name[:40]}:{digest}"
+    """The OP-DAG's fingerprint (``OpDag.fingerprint``): peers check they split the same graph."""
+    return dag.fingerprint
 
 
 def node_ranges(nodes: Sequence[int]) -> tuple[int, ...]:
@@ -54,6 +54,28 @@ class Plan:
     n_micro_batches: int
     estimate: Estimate
     clusters: tuple[tuple[str, ...], ...] = field(default=())  # peer ids per bandwidth cluster
+    version: int = 1  # a re-plan of the same job gets the next one; OpData names it
+
+    def layout(
+        self, data_owner: str
+    ) -> tuple[tuple[str, ...], tuple[int, ...], dict[tuple[int, int], float]]:
+        """How a runtime runs this plan with ``data_owner`` as its stage 0.
+
+        Returns the runtime stages' peers (the data owner, then every other peer in the
+        order of its first plan stage: a peer's plan stages run as one runtime stage), the
+        runtime stage of each OP-DAG position, and the Top-K ratio of each runtime link.
+        """
+        order = [data_owner, *(p for p in dict.fromkeys(self.peer_ids) if p != data_owner)]
+        index = {peer: i for i, peer in enumerate(order)}
+        runtime = [index[peer] for peer in self.peer_ids]
+        positions = {pos: runtime[k] for k, stage in enumerate(self.stages) for pos in stage.nodes}
+        assignment = tuple(positions[i] for i in range(len(positions)))
+        ratios: dict[tuple[int, int], float] = {}
+        for (a, b), ratio in self.ratios.items():
+            if runtime[a] != runtime[b] and ratio > 1:
+                key = (runtime[a], runtime[b])
+                ratios[key] = min(ratios.get(key, ratio), ratio)  # two plan links on one: the milder
+        return tuple(order), assignment, ratios
 
     @classmethod
     def build(

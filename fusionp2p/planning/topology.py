@@ -96,6 +96,18 @@ class Topology:
         topo.validate()
         return topo
 
+    def without(self, peer_id: str) -> Topology:
+        """The same swarm without ``peer_id`` (its links stay in the other pairs' widest paths)."""
+        keep = np.array([p != peer_id for p in self.peer_ids])
+        return Topology(
+            tuple(p for p in self.peer_ids if p != peer_id),
+            self.speed[keep],
+            self.memory[keep],
+            self.bandwidth[np.ix_(keep, keep)],
+            self.latency[np.ix_(keep, keep)],
+            self.measured[np.ix_(keep, keep)],
+        )
+
     def validate(self) -> None:
         """Raises PlanningError on NaN, negative or zero measurements."""
         n = len(self.peer_ids)

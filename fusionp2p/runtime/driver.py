@@ -104,15 +104,21 @@ class PipelineDriver:
         job: str | None = None,
         registry: ModelRegistry | None = None,
         limits: ExecLimits | None = None,
+        link_ratios: Mapping[tuple[int, int], float] | None = None,
+        plan_version: int = 1,
+        expect_dag: str | None = None,
     ) -> PipelineDriver:
         """Traces and splits the model, and sets up every stage.
 
         ``peers[s]`` is ``(peer id, multiaddrs)`` of stage ``s``'s owner; the data
         stage's entry is this process (its peer id must be the transport's). Without an
         ``assignment`` (a stage per operator node) the stages get contiguous pieces of equal
-        forward FLOPs. ``registry`` builds the model here (default: the built-in families,
-        installed entry points and ``spec.family`` itself if it is an import path, since
-        this process chose it); every stage peer builds it from its own registry.
+        forward FLOPs. ``link_ratios[(a, b)]`` compresses what stage ``a`` sends stage ``b``
+        with Top-K; ``ratios[b]`` does it for every stage's sends to ``b``. ``registry``
+        builds the model here (default: the built-in families, installed entry points and
+        ``spec.family`` itself if it is an import path, since this process chose it);
+        every stage peer builds it from its own registry. ``plan_version`` is what every
+        OpData of the job names; ``expect_dag`` the OP-DAG fingerprint the plan was made for.
 
         Raises:
             ConfigError: a bad assignment, loss, peer list or model config.
@@ -132,23 +138,34 @@ class PipelineDriver:
 
         def trace() -> tuple[TracedModel, Partition]:
             traced = trace_spec(spec, registry)
+            if expect_dag is not None and traced.dag.fingerprint != expect_dag:
+                traced_to = traced.dag.fingerprint
+                raise ConfigError(f"the plan splits OP-DAG {expect_dag}, this model traced to {traced_to}")
             stages = assignment
             if stages is None:
                 stages = balanced_assignment([n.fwd_flops for n in traced.dag.nodes], n_stages)
             return traced, partition(traced.program, stages, n_stages, data_stage=data_stage)
 
         traced, part = await asyncio.to_thread(trace)
+        if expect_dag is not None and traced.dag.fingerprint != expect_dag:
+            raise ConfigError(
+                f"the plan splits OP-DAG {expect_dag}, this model traced to {traced.dag.fingerprint}"
+            )
         for note in part.moved:
             logger.info("assignment adjusted: %s", note)
+        links = dict(link_ratios or {})
+        for dst, ratio in (ratios or {}).items():  # the same ratio toward ``dst`` from every stage
+            links.update({(src, dst): ratio for src in range(n_stages) if src != dst})
         setups = JobSetup.for_stages(
             job,
             spec,
-            traced.program,
+            traced,
             part,
             peers,
             n_micro_batches=n_micro_batches,
             optimizer=optimizer,
-            ratios=ratios,
+            link_ratios=links,
+            plan_version=plan_version,
         )
         ratio_items = setups[data_stage].ratios
         executor = TorchExecutor(
@@ -160,6 +177,7 @@ class PipelineDriver:
             optimizer=optimizer,
             loss_fn=LOSSES[loss],
             ratios=dict(ratio_items),
+            plan_version=plan_version,
         )
         policy = ServicePolicy(accept_setups=False, max_jobs=1, limits=limits, timeout=timeout)
         service = await ExecutorService(transport, policy).start()

@@ -40,13 +40,12 @@ def memory_allowance(max_memory: int | None, device: str = "cpu") -> int:
 
 
 def _split(traced: TracedModel, setup: JobSetup) -> Partition:
-    part = partition(traced.program, setup.assignment, setup.n_stages, data_stage=setup.data_stage)
-    if part.fingerprint != setup.fingerprint:
+    if traced.dag.fingerprint != setup.fingerprint:
         raise ConfigError(
-            f"model {setup.spec.family!r} traced to graph {part.fingerprint} here but {setup.fingerprint} at "
-            "the data owner (different torch/transformers versions?)"
+            f"model {setup.spec.family!r} traced to OP-DAG {traced.dag.fingerprint} here but "
+            f"{setup.fingerprint} at the data owner (different torch/transformers versions?)"
         )
-    return part
+    return partition(traced.program, setup.assignment, setup.n_stages, data_stage=setup.data_stage)
 
 
 def _check_memory(need: StageMemory, setup: JobSetup, allowed: int) -> None:
@@ -101,6 +100,7 @@ def build_torch_stage(setup: JobSetup, registry: ModelRegistry, max_memory: int 
         optimizer=setup.optimizer,
         ratios=dict(setup.ratios),
         materialize=not fake,
+        plan_version=setup.plan_version,
     )
 
 

@@ -20,11 +20,13 @@ from fusionp2p.config import ExecLimits, OptimizerConfig, load_json_object
 from fusionp2p.errors import ConfigError
 from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.opdag.split import Partition, op_node_names
+from fusionp2p.opdag.trace import TracedModel
 from fusionp2p.planning.cost import in_flight as in_flight_window
 
 __all__ = ["JobSetup"]
 
 _JOB_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+_FINGERPRINT_RE = re.compile(r"^[\w.@:\-]{1,80}$")
 _ENGINE_RE = re.compile(r"^[a-z0-9_\-]{1,32}$")
 _PEER_ID_RE = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")
 _MAX_NODES = 1 << 20
@@ -129,10 +131,11 @@ class JobSetup:
     peers: tuple[tuple[str, tuple[str, ...]], ...]  # per stage: (peer id, multiaddrs)
     n_micro_batches: int
     optimizer: OptimizerConfig
-    fingerprint: str  # of the data owner's traced graph
-    ratios: tuple[tuple[int, float], ...] = ()  # Top-K ratio per destination stage
+    fingerprint: str  # OpDag.fingerprint of the data owner's traced model
+    ratios: tuple[tuple[int, float], ...] = ()  # Top-K ratio of what this stage sends each stage
     in_flight: int = 1  # micro-batches unfinished at once (1F1B window); memory is checked for this many
     engine: str = "torch"  # the execution engine that runs the stage (a PeerRecord lists its engines)
+    plan_version: int = 1  # every OpData of the job names it; another version's is dropped
 
     def peer_of(self, stage: int) -> str:
         return self.peers[stage][0]
@@ -142,16 +145,19 @@ class JobSetup:
         cls,
         job: str,
         spec: ModelSpec,
-        program: Any,
+        traced: TracedModel,
         part: Partition,
         peers: Sequence[tuple[str, Sequence[str]]],
         *,
         n_micro_batches: int,
         optimizer: OptimizerConfig,
-        ratios: Mapping[int, float] | None = None,
+        link_ratios: Mapping[tuple[int, int], float] | None = None,
+        plan_version: int = 1,
     ) -> list[JobSetup]:
-        """One setup per stage of ``part`` (a split of ``program``, the traced ``spec``)."""
-        assignment = tuple(part.stage_of[n] for n in op_node_names(program.graph))
+        """One setup per stage of ``part`` (a split of ``traced``, the traced ``spec``);
+        ``link_ratios[(a, b)]`` is the Top-K ratio of what stage ``a`` sends stage ``b``."""
+        assignment = tuple(part.stage_of[n] for n in op_node_names(traced.program.graph))
+        ratios = link_ratios or {}
         return [
             cls(
                 job=job,
@@ -163,9 +169,10 @@ class JobSetup:
                 peers=tuple((p, tuple(m)) for p, m in peers),
                 n_micro_batches=n_micro_batches,
                 optimizer=optimizer,
-                fingerprint=part.fingerprint,
-                ratios=tuple(sorted((ratios or {}).items())),
+                fingerprint=traced.dag.fingerprint,
+                ratios=tuple(sorted((b, r) for (a, b), r in ratios.items() if a == stage and r > 1)),
                 in_flight=in_flight_window(n_micro_batches, part.n_stages),
+                plan_version=plan_version,
             )
             for stage in range(part.n_stages)
         ]
@@ -187,6 +194,7 @@ class JobSetup:
                 "ratios": [[s, r] for s, r in self.ratios],
                 "in_flight": self.in_flight,
                 "engine": self.engine,
+                "plan_version": self.plan_version,
             }
         ).encode()
 
@@ -214,8 +222,9 @@ class JobSetup:
             peers=_peers(body.get("peers"), n_stages),
             n_micro_batches=n_micro_batches,
             optimizer=OptimizerConfig.from_dict(body.get("optimizer")),
-            fingerprint=_str(body, "fingerprint", re.compile(r"^[0-9a-f]{16}$")),
+            fingerprint=_str(body, "fingerprint", _FINGERPRINT_RE),
             ratios=_ratios(body.get("ratios", []), n_stages),
             in_flight=_int(body, "in_flight", 1, n_micro_batches),
             engine=_str(body, "engine", _ENGINE_RE),
+            plan_version=_int(body, "plan_version", 0, 1 << 62),
         )

@@ -234,6 +234,9 @@ class ExecutorService:
                 raise ProtocolError(
                     f"OpData for stage {header.dst_stage}; this peer runs stage {setup.stage}"
                 )
+            if header.plan_version != setup.plan_version:
+                version = f"plan version {header.plan_version}; job {job.name} runs {setup.plan_version}"
+                raise ProtocolError(f"OpData of {version}")
             if header.iteration != job.iteration:
                 raise ProtocolError(f"OpData for iteration {header.iteration}; the job is at {job.iteration}")
             if job.state_missing:

@@ -94,6 +94,7 @@ class TorchExecutor(Executor):
         loss_fn: LossFn | None = None,
         ratios: Mapping[int, float] | None = None,
         materialize: bool = True,
+        plan_version: int = 1,
     ) -> None:
         """``materialize=False``: ``program`` may be a fake trace; this stage's tensors start
         empty and ``load_state`` fills them (``missing_state`` says what is still to come)."""
@@ -108,6 +109,7 @@ class TorchExecutor(Executor):
         self.partition = partition
         self.loss_fn = loss_fn if stage == partition.data_stage else None
         self.ratios = dict(ratios or {})
+        self.plan_version = plan_version
         self.losses: dict[int, float] = {}
         self._nodes = {n.name: n for n in program.graph.nodes}
         self._segments = partition.stage_segments(stage)
@@ -353,6 +355,7 @@ class TorchExecutor(Executor):
             zero=zero,
             src_stage=self.stage,
             dst_stage=dst,
+            plan_version=self.plan_version,
         )
 
     def _loss(

@@ -1,0 +1,146 @@
+"""One Plan drives the runtime: OP-Fence and baseline plans train exactly over peer processes.
+
+``swarm.plan(spec)`` measures this process (the data owner) and its links, runs the planner
+on the live records, and ``swarm.pipeline(spec, plan=plan)`` runs what it planned: the
+losses, gradients and parameters after two AdamW steps equal the monolithic model's. The
+runtime's OpData carry the plan's version; another version is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from exec_helpers import first_forward, user_model_swarm
+
+from fusionp2p.config import OptimizerConfig
+from fusionp2p.errors import ConfigError, ProtocolError
+from fusionp2p.launch import LocalSwarm
+from fusionp2p.opdag.families import ModelRegistry
+from fusionp2p.opdag.spec import ModelSpec
+from fusionp2p.planning import Plan
+from fusionp2p.runtime.codec import ExecClient
+from fusionp2p.runtime.torch_executor import LOSSES
+from fusionp2p.swarm import Swarm
+
+N_MB = 3
+OPT = OptimizerConfig(lr=1e-2, eps=1e-6)
+GPT2 = ModelSpec(
+    "gpt2", {"n_layer": 3, "n_embd": 32, "n_head": 2, "vocab_size": 97, "n_positions": 32}, input_shape=(2, 8)
+)
+SKIPNET = ModelSpec("user_models:SkipNet", {"hidden": 32}, input_shape=(4, 12), input_dtype="float32", seed=1)
+LOCAL = ModelRegistry(allow=["user_models:SkipNet"])
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
+    with (
+        user_model_swarm(3, swarm="plans", workdir=str(tmp_path_factory.mktemp("plans"))) as local,
+        Swarm(local.initial_peers, swarm=local.swarm) as client,
+    ):
+        _wait_for_peers(client, local)
+        yield client
+
+
+def _wait_for_peers(client: Swarm, local: LocalSwarm) -> None:
+    for _ in range(60):
+        if len(client.peers()) == len(local.peers):
+            return
+        time.sleep(0.5)
+    pytest.fail("the peers did not show up")
+
+
+def _batches(spec: ModelSpec, iteration: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(300 + iteration)
+    if spec.input_dtype == "int64":
+        return [(x, x) for x in (torch.randint(0, 97, spec.input_shape, generator=g) for _ in range(N_MB))]
+    return [
+        (torch.randn(spec.input_shape, generator=g), torch.randint(0, 5, spec.input_shape[:1], generator=g))
+        for _ in range(N_MB)
+    ]
+
+
+def _exact(client: Swarm, spec: ModelSpec, plan: Plan, loss: str) -> None:
+    model = spec.build(LOCAL)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps, weight_decay=OPT.weight_decay
+    )
+    with client.pipeline(spec, plan=plan, optimizer=OPT, loss=loss, registry=LOCAL) as pipe:
+        assert pipe.plan is plan and pipe.partition.n_stages == 1 + len(set(plan.peer_ids))
+        for it in range(2):
+            opt.zero_grad()
+            want = []
+            for x, y in _batches(spec, it):
+                value = LOSSES[loss]([model(x)], y)
+                want.append(value.item())
+                (value / N_MB).backward()
+            assert pipe.run_iteration(_batches(spec, it)) == pytest.approx(want, rel=1e-5, abs=1e-6)
+            grads = dict(model.named_parameters(remove_duplicate=False))
+            for name, grad in pipe.fetch("grads").items():
+                torch.testing.assert_close(grad, grads[name].grad, rtol=1e-5, atol=1e-7, msg=name)
+            pipe.step()
+            opt.step()
+        reference = dict(model.named_parameters(remove_duplicate=False))
+        for name, value in pipe.fetch("params").items():
+            torch.testing.assert_close(value, reference[name].detach(), rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("method", ["op-fence", "equal-number/none", "equal-computation/none"])
+def test_a_plan_trains_exactly(swarm: Swarm, method: str) -> None:
+    plan = swarm.plan(GPT2, method=method, n_micro_batches=N_MB)
+    assert plan.dag.startswith("gpt2@") and plan.n_micro_batches == N_MB
+    assert math.isfinite(plan.iteration_s) and plan.method.startswith(method.split("/")[0])
+    assert swarm.peers() and set(plan.peer_ids) <= {p.peer_id for p in swarm.peers()}  # never this process
+    if method == "equal-number/none":
+        assert len(set(plan.peer_ids)) == 3  # every peer gets a share
+    _exact(swarm, GPT2, plan, "lm")
+
+
+def test_a_user_model_trains_exactly_on_the_default_plan(swarm: Swarm) -> None:
+    plan = swarm.plan(SKIPNET, n_micro_batches=N_MB, registry=LOCAL)
+    _exact(swarm, SKIPNET, plan, "classification")
+
+
+def test_the_pipeline_estimate_counts_what_runs(swarm: Swarm) -> None:
+    topology = swarm.topology()
+    plan = swarm.plan(GPT2, method="equal-number/none", n_micro_batches=N_MB, topology=topology)
+    with swarm.pipeline(GPT2, plan=plan, optimizer=OPT) as pipe:
+        est = pipe.estimate(topology)
+        ops = sum(1 for seg in pipe.partition.segments if seg.kind == "ops")
+        assert len(est.compute_s) == ops  # one estimated stage per segment, the data owner's included
+        assert 0 < est.critical_path_s <= est.pipelined_s < math.inf
+
+
+def test_a_plan_of_another_model_or_size_is_refused(swarm: Swarm) -> None:
+    plan = swarm.plan(GPT2, method="equal-number/none", n_micro_batches=N_MB)
+    other = dataclasses.replace(GPT2, config={**GPT2.config, "n_layer": 2})
+    with pytest.raises(ConfigError, match="the plan splits OP-DAG"):
+        swarm.pipeline(other, plan=plan)
+    with pytest.raises(ConfigError, match="micro-batches"):
+        swarm.pipeline(GPT2, plan=plan, n_micro_batches=N_MB + 1)
+    with pytest.raises(ConfigError, match="plan method"):
+        swarm.plan(GPT2, method="random")
+
+
+def test_opdata_of_another_plan_version_is_dropped(swarm: Swarm) -> None:
+    plan = dataclasses.replace(swarm.plan(GPT2, method="equal-number/none", n_micro_batches=N_MB), version=7)
+    with swarm.pipeline(GPT2, plan=plan, optimizer=OPT) as pipe:
+        assert all(setup.plan_version == 7 for setup in pipe.driver.setups)
+        stale = dataclasses.replace(first_forward(pipe.partition, pipe.driver.job), plan_version=6)
+        peer = pipe.driver.setups[0].peers[1][0]
+
+        async def send() -> str:
+            client = ExecClient(pipe.driver.service.transport, peer, timeout=10)
+            try:
+                with pytest.raises(ProtocolError) as refused:
+                    await client.request(stale, bytes(stale.body_bytes))
+                return str(refused.value)
+            finally:
+                await client.aclose()
+
+        assert "plan version 6" in swarm.call(send())
+        assert len(pipe.run_iteration(_batches(GPT2, 0))) == N_MB  # the job itself goes on
