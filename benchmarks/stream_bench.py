@@ -95,9 +95,8 @@ async def serve(info_path: str) -> None:
     transport = P2PTransport(p2p)
     limits = ExecLimits(inbound_bytes=1 << 30, inbound_bytes_per_peer=512 << 20)
     policy = ServicePolicy(limits=limits, timeout=120)
-    service = await ExecutorService(
-        transport, policy, build=lambda setup, *_: NullExecutor(setup.job)
-    ).start()
+    null_engine = {"torch": lambda setup, *_: NullExecutor(setup.job)}
+    service = await ExecutorService(transport, policy, engines=null_engine).start()
 
     async def raw(stream: FrameStream) -> None:
         await _ack_frames(stream._reader, stream._writer)

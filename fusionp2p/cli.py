@@ -73,7 +73,11 @@ def _parser() -> argparse.ArgumentParser:
     peer.add_argument(
         "--identity", metavar="PATH", help="identity key file (created if missing) for a stable PeerID"
     )
-    peer.add_argument("--device", default="cpu", help="cpu or cuda:N (default: %(default)s)")
+    peer.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, cuda[:N], or auto (a GPU when there is one) (default: %(default)s)",
+    )
     peer.add_argument("--flops", type=float, help="declared fp32 FLOP/s instead of measuring")
     peer.add_argument(
         "--upload-limit-mbps", type=float, help="cap this peer's outgoing stream traffic (Mbit/s)"

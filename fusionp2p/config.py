@@ -210,7 +210,7 @@ class PeerConfig:
     host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)  # where p2pd listens
     announce_maddrs: tuple[str, ...] = ()  # addresses other peers should dial (NAT, public IP)
     identity_path: str | None = None  # libp2p identity file; gives a stable PeerID
-    device: str = "cpu"  # "cpu" or "cuda:N": the device this peer computes on
+    device: str = "cpu"  # "cpu", "cuda[:N]", or "auto" (a GPU when there is one): where stages compute
     flops_override: float | None = None  # declared fp32 FLOP/s, replacing the measured one
     upload_limit_mbps: float | None = None  # cap on this peer's outgoing stream traffic
     heartbeat: float = 5.0  # seconds between PeerRecord/LinkRecord refreshes
@@ -238,8 +238,8 @@ class PeerConfig:
                     raise ConfigError(f"PeerConfig.{name} holds {maddr!r}, not a multiaddr")
         if not self.host_maddrs:
             raise ConfigError("PeerConfig.host_maddrs must name at least one address")
-        if self.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", self.device):
-            raise ConfigError(f"PeerConfig.device must be 'cpu' or 'cuda:N', got {self.device!r}")
+        if self.device not in ("cpu", "auto") and not re.fullmatch(r"cuda(:\d+)?", self.device):
+            raise ConfigError(f"PeerConfig.device must be 'cpu', 'cuda[:N]' or 'auto', got {self.device!r}")
         _positive("PeerConfig", heartbeat=self.heartbeat, record_ttl=self.record_ttl)
         if self.flops_override is not None:
             _positive("PeerConfig", flops_override=self.flops_override)

@@ -33,7 +33,7 @@ from fusionp2p.net.probe import PROBE_PROTOCOL, LinkEstimator, probe_link, serve
 from fusionp2p.net.transport import P2PTransport, RateLimitedTransport, Transport
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.records import PeerRecord
-from fusionp2p.runtime.device_profile import DeviceProfile, free_memory, profile_device
+from fusionp2p.runtime.device_profile import DeviceProfile, free_memory, profile_device, resolve_device
 from fusionp2p.runtime.service import ExecutorService, ServicePolicy
 
 __all__ = ["Peer"]
@@ -87,7 +87,8 @@ class Peer:
             identity_path = os.path.join(tmpdir, "identity.key")
         ensure_identity(identity_path)
         signing_key = load_signing_key(identity_path)
-        profile = await asyncio.to_thread(profile_device, config.device, flops_override=config.flops_override)
+        device = resolve_device(config.device)
+        profile = await asyncio.to_thread(profile_device, device, flops_override=config.flops_override)
         dht = start_dht(
             initial_peers=config.initial_peers,
             host_maddrs=config.host_maddrs,
@@ -114,6 +115,7 @@ class Peer:
                 accept_jobs_from=frozenset(config.accept_jobs_from),
                 max_memory_bytes=config.max_memory_bytes,
                 limits=limits,
+                device=profile.device,
             )
             peer.executors = await ExecutorService(transport, policy, registry=registry, gate=gate).start()
             await peer._publish_self()
@@ -154,7 +156,7 @@ class Peer:
         await serve_probe(stream, max_bytes=self.config.probe.max_bytes, timeout=self.config.timeouts.probe)
 
     def _peer_record(self, now: float) -> PeerRecord:
-        free, total = free_memory(self.config.device)
+        free, total = free_memory(self.profile.device)
         limit = (self.config.upload_limit_mbps or 0) * 1e6 / 8
         return PeerRecord(
             peer_id=self.peer_id,

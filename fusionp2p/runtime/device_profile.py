@@ -20,7 +20,7 @@ import torch
 
 from fusionp2p.errors import ProfileError
 
-__all__ = ["DeviceProfile", "free_memory", "measure_device", "profile_device"]
+__all__ = ["DeviceProfile", "free_memory", "measure_device", "profile_device", "resolve_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,21 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return platform.processor() or platform.machine() or "cpu"
+
+
+def resolve_device(device: str) -> str:
+    """``"auto"``: ``"cuda:0"`` when a GPU is usable, else ``"cpu"``; ``"cuda"``: ``"cuda:0"``.
+
+    Raises:
+        ProfileError: a CUDA device asked for where torch sees none.
+    """
+    if device == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ProfileError(f"device {device!r} asked for, but torch sees no CUDA device here")
+        return device if ":" in device else "cuda:0"
+    return device
 
 
 def free_memory(device: str) -> tuple[int, int]:

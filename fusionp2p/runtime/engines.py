@@ -29,7 +29,7 @@ __all__ = ["DEFAULT_MEMORY_FRACTION", "ENGINES", "BuildStage", "build_torch_stag
 logger = logging.getLogger(__name__)
 
 DEFAULT_MEMORY_FRACTION = 0.8  # of the device's free memory, when no --max-memory is set
-BuildStage = Callable[[JobSetup, ModelRegistry, "int | None"], Executor]
+BuildStage = Callable[[JobSetup, ModelRegistry, "int | None", str], Executor]
 
 
 def memory_allowance(max_memory: int | None, device: str = "cpu") -> int:
@@ -56,11 +56,13 @@ def _check_memory(need: StageMemory, setup: JobSetup, allowed: int) -> None:
         )
 
 
-def build_torch_stage(setup: JobSetup, registry: ModelRegistry, max_memory: int | None) -> Executor:
+def build_torch_stage(
+    setup: JobSetup, registry: ModelRegistry, max_memory: int | None, device: str = "cpu"
+) -> Executor:
     """This peer's stage of ``setup``, if its family is served here and it fits in memory.
 
     The model is traced fake (nothing allocated) and only this stage's tensors are
-    materialized, empty, for the data owner's weights to fill. A factory that cannot be
+    materialized on ``device``, empty, for the data owner's weights to fill. A factory that cannot be
     traced fake is built and traced for real, and the whole model counts against memory.
 
     Raises:
@@ -70,7 +72,7 @@ def build_torch_stage(setup: JobSetup, registry: ModelRegistry, max_memory: int 
         LimitError: the stage would need more memory than allowed.
     """
     family, _ = setup.spec.resolve(registry)
-    allowed = memory_allowance(max_memory)
+    allowed = memory_allowance(max_memory, device)
     try:
         traced, fake = trace_spec(setup.spec, registry, fake=True), True
     except ConfigError:
@@ -101,6 +103,7 @@ def build_torch_stage(setup: JobSetup, registry: ModelRegistry, max_memory: int 
         ratios=dict(setup.ratios),
         materialize=not fake,
         plan_version=setup.plan_version,
+        device=device,
     )
 
 

@@ -64,6 +64,7 @@ class ServicePolicy:
     max_jobs: int = 1  # jobs at once; a setup beyond this is refused, never replaces one
     accept_jobs_from: frozenset[str] = frozenset()  # PeerIDs that may set jobs up; empty: anyone
     max_memory_bytes: int | None = None  # what one stage may need; None: 80% of free memory
+    device: str = "cpu"  # where stages compute: "cpu" or "cuda:N"
     limits: ExecLimits = field(default_factory=ExecLimits)
     timeout: float = 60.0  # one remote request, or waiting for this stage to finish an iteration
 
@@ -367,7 +368,9 @@ class ExecutorService:
         self._setting_up.add(name)
         try:
             executor = await self.in_pool(
-                functools.partial(build, setup, self.registry, self.policy.max_memory_bytes)
+                functools.partial(
+                    build, setup, self.registry, self.policy.max_memory_bytes, self.policy.device
+                )
             )
             await self._connect(setup)
             self.install(executor, setup, owner=remote)

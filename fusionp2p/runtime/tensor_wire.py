@@ -58,17 +58,26 @@ def encode_body(
     """``(compression, body, kept)`` for ``tensor``: Top-K at ``ratio`` for float tensors
     when > 1; ``kept`` holds the positions sent when the body is sparse (else None). A
     dense body is a view of the tensor's own memory (no copy)."""
-    tensor = tensor.detach().contiguous().cpu()
+    tensor = tensor.detach().contiguous()
     if ratio > 1 and tensor.dtype in (torch.float32, torch.float16, torch.bfloat16) and tensor.numel():
-        encoded = wire.encode(tensor, ratio)
+        encoded = wire.encode(tensor, ratio)  # on a GPU, Top-K runs there (fusionp2p.kernels)
         kept = encoded.indices if encoded.header.index_format != "dense" else None
         return encoded.header.to_wire(), encoded.body, kept
-    return b"", tensor.reshape(-1).view(torch.uint8).numpy().data, None
+    return b"", _host(tensor).reshape(-1).view(torch.uint8).numpy().data, None
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in host memory: itself on the CPU, else copied into a pinned buffer."""
+    if not tensor.is_cuda:
+        return tensor
+    pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    pinned.copy_(tensor)
+    return pinned
 
 
 def encode_grad_at(grad: torch.Tensor, kept: torch.Tensor) -> tuple[bytes, bytes]:
     """``(compression, body)`` of the gradient of an activation that was sent sparse."""
-    encoded = wire.encode_at(grad.detach().contiguous().cpu(), kept)
+    encoded = wire.encode_at(grad.detach().contiguous(), kept)
     return encoded.header.to_wire(), encoded.body
 
 

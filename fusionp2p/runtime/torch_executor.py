@@ -95,6 +95,7 @@ class TorchExecutor(Executor):
         ratios: Mapping[int, float] | None = None,
         materialize: bool = True,
         plan_version: int = 1,
+        device: torch.device | str = "cpu",
     ) -> None:
         """``materialize=False``: ``program`` may be a fake trace; this stage's tensors start
         empty and ``load_state`` fills them (``missing_state`` says what is still to come)."""
@@ -110,6 +111,7 @@ class TorchExecutor(Executor):
         self.loss_fn = loss_fn if stage == partition.data_stage else None
         self.ratios = dict(ratios or {})
         self.plan_version = plan_version
+        self.device = torch.device(device)
         self.losses: dict[int, float] = {}
         self._nodes = {n.name: n for n in program.graph.nodes}
         self._segments = partition.stage_segments(stage)
@@ -122,7 +124,11 @@ class TorchExecutor(Executor):
         }
         mine = set(partition.params[stage])
         self.state = StageState(
-            program, sorted(mine), optimizer=optimizer or OptimizerConfig(), materialize=materialize
+            program,
+            sorted(mine),
+            optimizer=optimizer or OptimizerConfig(),
+            materialize=materialize,
+            device=self.device,
         )
         self._placeholder_state = {p: t for p, t in placeholders.items() if t in mine}
         self._mbs: dict[int, _MicroBatch] = {}
@@ -198,6 +204,7 @@ class TorchExecutor(Executor):
         self.check(header)
         mb = self._mbs.setdefault(header.micro_batch, _MicroBatch())
         tensor, kept = decode_body(header, body, mb.sent_kept.get((header.producer, header.src_stage)))
+        tensor = tensor.to(self.device, non_blocking=True)
         if header.direction == "forward":
             if header.producer in mb.forward_seen:
                 raise ProtocolError(
@@ -235,7 +242,8 @@ class TorchExecutor(Executor):
         mb = self._mbs.setdefault(micro_batch, _MicroBatch())
         if source.id in mb.fwd_done:
             raise ValueError(f"micro-batch {micro_batch} already started")
-        mb.labels = labels
+        mb.labels = labels.to(self.device)
+        inputs = {name: tensor.to(self.device) for name, tensor in inputs.items()}
         out: list[Message] = []
         for name, tensor in inputs.items():
             mb.local[name] = tensor
@@ -292,6 +300,8 @@ class TorchExecutor(Executor):
             for name in seg.nodes:
                 node = self._nodes[name]
                 args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: self._lookup(env, a))
+                if "device" in kwargs and self.device.type != "cpu":  # traced on the CPU: make it here
+                    kwargs = {**kwargs, "device": self.device}
                 env[name] = node.target(*args, **kwargs)
         outputs = {v: env[v] for v in seg.outputs}
         mb.leaves[seg.id] = leaves
