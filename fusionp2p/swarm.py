@@ -241,7 +241,7 @@ class Swarm:
             )
         if not isinstance(plan, Plan):
             plan = self.plan(
-                spec, method=plan or "op-fence", n_micro_batches=n_micro_batches or 8, registry=registry
+                spec, method=plan or "op-fence", n_micro_batches=n_micro_batches or 1, registry=registry
             )
         if n_micro_batches is not None and n_micro_batches != plan.n_micro_batches:
             raise ConfigError(

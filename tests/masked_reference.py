@@ -7,7 +7,7 @@ import torch
 
 from fusionp2p.compression import encode
 from fusionp2p.opdag.split import Partition
-from fusionp2p.runtime.torch_executor import LOSSES
+from fusionp2p.runtime.losses import LOSSES
 
 
 def masked_reference(program, part: Partition, batches, ratio: float, loss: str):

@@ -26,8 +26,8 @@ from fusionp2p.records import OpData
 from fusionp2p.runtime.codec import CREDIT, EXEC_PROTOCOL
 from fusionp2p.runtime.driver import PipelineDriver
 from fusionp2p.runtime.executor import Message
+from fusionp2p.runtime.losses import LOSSES
 from fusionp2p.runtime.opdata_stream import INITIAL_CREDIT, OpDataSender
-from fusionp2p.runtime.torch_executor import LOSSES
 
 LOCAL = ModelRegistry(allow=["user_models:SkipNet"])
 

@@ -24,7 +24,7 @@ from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.planning import Plan
 from fusionp2p.runtime.codec import ExecClient
-from fusionp2p.runtime.torch_executor import LOSSES
+from fusionp2p.runtime.losses import LOSSES
 from fusionp2p.swarm import Swarm
 
 N_MB = 3

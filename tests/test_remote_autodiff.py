@@ -28,7 +28,7 @@ from fusionp2p.opdag.split import op_node_names
 from fusionp2p.opdag.trace import trace_module
 from fusionp2p.runtime.codec import EXEC_PROTOCOL, pack_message
 from fusionp2p.runtime.driver import PipelineDriver
-from fusionp2p.runtime.torch_executor import LOSSES
+from fusionp2p.runtime.losses import LOSSES
 
 N_MB, BATCH, SEQ = 3, 2, 8
 # Some gradients are exactly zero in theory (GPT-2's key bias: softmax ignores a per-row

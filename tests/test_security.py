@@ -37,7 +37,7 @@ from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.records import ExecControl
 from fusionp2p.runtime.codec import EXEC_PROTOCOL, ExecClient
 from fusionp2p.runtime.driver import PipelineDriver
-from fusionp2p.runtime.torch_executor import LOSSES
+from fusionp2p.runtime.losses import LOSSES
 from fusionp2p.swarm import Swarm
 
 SKIPNET = ModelSpec("user_models:SkipNet", {"hidden": 16}, input_shape=(4, 12), input_dtype="float32", seed=9)

@@ -21,8 +21,9 @@ from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.opdag.split import LOSS, op_node_names, partition
 from fusionp2p.opdag.trace import trace_module
 from fusionp2p.records import OpData, TopKHeader
+from fusionp2p.runtime.losses import LOSSES
 from fusionp2p.runtime.tensor_wire import decode_body, encode_body
-from fusionp2p.runtime.torch_executor import LOSSES, TorchExecutor
+from fusionp2p.runtime.torch_executor import TorchExecutor
 
 GPT2 = ModelSpec(
     "gpt2", {"n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": 53, "n_positions": 16}, input_shape=(2, 6)

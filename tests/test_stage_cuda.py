@@ -11,7 +11,8 @@ import torch
 from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.opdag.split import op_node_names, partition
 from fusionp2p.opdag.trace import trace_spec
-from fusionp2p.runtime.torch_executor import LOSSES, TorchExecutor
+from fusionp2p.runtime.losses import LOSSES
+from fusionp2p.runtime.torch_executor import TorchExecutor
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -102,6 +102,9 @@ class InboundBudget:
         """
         if nbytes <= 0:
             return Reservation(None, remote, 0)
+        if self._fits(remote, nbytes):  # the common case: no deadline to arm
+            self._held[remote] += nbytes
+            return Reservation(self, remote, nbytes)
         try:
             async with asyncio.timeout(timeout):
                 while not self._fits(remote, nbytes):

@@ -3,6 +3,9 @@
 - ``device_profile.py``: measured matmul FLOP/s and memory of this peer's device, cached.
 - ``executor.py``: the framework-neutral Executor interface (OpData in, OpData out, step, state).
 - ``torch_executor.py``: the PyTorch executor: a stage's segments with real autograd.
+- ``stage_state.py``: a stage's tensors and optimizer (only its own, filled by the data owner).
+- ``losses.py``: the losses a data owner computes, by name.
+- ``opdata_stream.py``: streaming OpData to a peer, windowed by its credit.
 - ``tensor_wire.py``: tensors as OpData bodies (dense or Top-K).
 - ``memory.py``: what a stage will hold in memory, computed before anything is allocated.
 - ``engines.py``: building a stage's executor from a setup (memory check first).

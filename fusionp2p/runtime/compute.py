@@ -55,8 +55,12 @@ class ComputeQueue:
         work.job.queued += 1
         self._seq += 1
         backward = work.header is not None and work.header.direction == "backward"
-        try:  # backward first (1F1B): it frees a micro-batch's memory, forward takes more
-            await asyncio.wait_for(self._inbox.put((0 if backward else 1, self._seq, work)), self.timeout)
+        item = (0 if backward else 1, self._seq, work)  # backward first (1F1B): it frees memory
+        if not self._inbox.full():
+            self._inbox.put_nowait(item)
+            return
+        try:
+            await asyncio.wait_for(self._inbox.put(item), self.timeout)
         except TimeoutError:
             work.job.queued -= 1
             raise LimitError(f"compute queue full for {self.timeout:.0f} s") from None

@@ -31,8 +31,9 @@ from fusionp2p.opdag.trace import TracedModel, trace_spec
 from fusionp2p.records import ExecControl
 from fusionp2p.runtime.codec import CONTROL_REPLY_BYTES, ExecClient, unpack_message
 from fusionp2p.runtime.job_setup import JobSetup
+from fusionp2p.runtime.losses import LOSSES
 from fusionp2p.runtime.service import ExecutorService, ServicePolicy
-from fusionp2p.runtime.torch_executor import LOSSES, TorchExecutor
+from fusionp2p.runtime.torch_executor import TorchExecutor
 
 __all__ = ["PipelineDriver"]
 

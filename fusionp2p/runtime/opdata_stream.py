@@ -68,6 +68,7 @@ class OpDataSender:
         self._last_used = 0.0
         self._outstanding = 0  # put and not yet done
         self._queued_bytes = 0  # put and not yet written
+        self._waiting = 0  # tasks waiting on ``_changed``
         self.failure: str | None = None
 
     @property
@@ -93,8 +94,9 @@ class OpDataSender:
     async def _done(self, size: int) -> None:
         self._outstanding -= 1
         await self._on_done(size)
-        async with self._changed:
-            self._changed.notify_all()
+        if self._waiting:  # someone waits for the window or the drain: wake them
+            async with self._changed:
+                self._changed.notify_all()
 
     async def _fail(self, reason: str) -> None:
         if self.failure is None:
@@ -118,9 +120,8 @@ class OpDataSender:
             size = len(message.body)
             written = False
             try:
-                async with self._changed:
-                    fits = functools.partial(self._window_open, size)
-                    await asyncio.wait_for(self._changed.wait_for(fits), self.timeout)
+                if not self._window_open(size):  # wait only when the window is closed
+                    await self._wait(functools.partial(self._window_open, size), self.timeout)
                 if self.failure is None:
                     stream = await self._ready_stream()
                     self._queued_bytes -= size
@@ -195,8 +196,15 @@ class OpDataSender:
 
     async def drained(self) -> None:
         """Waits until every message put was acknowledged (or dropped after a failure)."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: self._outstanding == 0)
+        await self._wait(lambda: self._outstanding == 0, None)
+
+    async def _wait(self, condition: Callable[[], bool], timeout: float | None) -> None:
+        self._waiting += 1
+        try:
+            async with self._changed:
+                await asyncio.wait_for(self._changed.wait_for(condition), timeout)
+        finally:
+            self._waiting -= 1
 
     async def aclose(self) -> None:
         """Stops writing; ends the stream (END) and the tasks. Never raises."""

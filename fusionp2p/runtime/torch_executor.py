@@ -15,7 +15,7 @@ The data owner's executor also holds the source (user inputs) and the loss segme
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,7 @@ from fusionp2p.errors import ProtocolError
 from fusionp2p.opdag.split import Partition, Segment
 from fusionp2p.records import OpData
 from fusionp2p.runtime.executor import Body, Executor, Message
+from fusionp2p.runtime.losses import LossFn
 from fusionp2p.runtime.stage_state import StageState
 from fusionp2p.runtime.tensor_wire import (
     body_bytes,
@@ -36,27 +37,9 @@ from fusionp2p.runtime.tensor_wire import (
     max_body_bytes,
 )
 
-__all__ = ["LossFn", "TorchExecutor", "classification_loss", "lm_loss"]
+__all__ = ["TorchExecutor"]
 
 logger = logging.getLogger(__name__)
-
-LossFn = Callable[[Sequence[torch.Tensor], torch.Tensor], torch.Tensor]
-
-
-def lm_loss(outputs: Sequence[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy of a causal LM's logits against ``labels`` (the input ids)."""
-    logits = outputs[0]
-    return torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
-    )
-
-
-def classification_loss(outputs: Sequence[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of class logits against integer labels."""
-    return torch.nn.functional.cross_entropy(outputs[0], labels)
-
-
-LOSSES: dict[str, LossFn] = {"lm": lm_loss, "classification": classification_loss}
 
 
 @dataclass
