@@ -19,8 +19,8 @@ demo: $(STAMP)
 	$(VENV)/bin/python demos/digits_cnn.py
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check fusionp2p kernels tests benchmarks demos
-	$(VENV)/bin/ruff format --check fusionp2p kernels tests benchmarks demos
+	$(VENV)/bin/ruff check fusionp2p tests benchmarks demos
+	$(VENV)/bin/ruff format --check fusionp2p tests benchmarks demos
 	$(VENV)/bin/mypy fusionp2p
 
 test: lint

@@ -10,7 +10,7 @@
 - ``opdag/``: the OP-DAG IR, analytic transformer OP-DAGs, tracing, model families and
   specs (a peer builds only families its operator installed), splitting.
 - ``planning/``: cost model, estimators, clustering, OP-Fence, baselines, exact solver, Plan.
-- ``compression/``: Top-K selection, wire format, error feedback (CUDA kernels in ``kernels``).
+- ``compression/``: Top-K selection, wire format, error feedback (CUDA kernels in ``kernels/``).
 - ``peer.py``: the long-running Peer.
 - ``swarm.py``: the public Swarm facade and its training Pipeline.
 - ``launch.py``: LocalSwarm, several peer processes on this machine.
