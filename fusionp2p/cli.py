@@ -2,6 +2,7 @@
 
 fusionp2p peer   [--initial-peers MADDR ...] [--identity PATH] [--device cpu|cuda:N] ...
 fusionp2p status --initial-peers MADDR ... [--json]
+fusionp2p train  --config job.toml --initial-peers MADDR ...   (or --local N; --example-config)
 fusionp2p local  [--peers N] [--duration S]      a local swarm on this machine
 """
 
@@ -20,6 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from fusionp2p import __version__
+from fusionp2p.cli_jobs import add_train_parser, cmd_train, format_jobs
 from fusionp2p.config import DEFAULT_SWARM, ExecLimits, PeerConfig, ProbeConfig, parse_bytes
 from fusionp2p.errors import FusionP2PError
 from fusionp2p.opdag.families import BUILTIN_FAMILIES
@@ -127,6 +129,18 @@ def _parser() -> argparse.ArgumentParser:
         help="message bodies held from all peers at once (default: 1GiB)",
     )
     jobs.add_argument(
+        "--no-coordinator",
+        action="store_true",
+        help="never stand for coordinator election (the coordinator plans everyone's jobs)",
+    )
+    jobs.add_argument(
+        "--lease-seconds",
+        type=float,
+        default=15.0,
+        metavar="S",
+        help="coordinator lease period; a dead coordinator is replaced within 3 (default: %(default)s)",
+    )
+    jobs.add_argument(
         "--job-idle-timeout",
         type=float,
         default=ExecLimits().job_idle_timeout,
@@ -137,6 +151,8 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="print a swarm's live peers and measured links")
     _add_swarm_args(status)
     status.add_argument("--json", action="store_true", help="machine-readable output")
+
+    add_train_parser(sub, _add_swarm_args)
 
     plan = sub.add_parser("plan", help="plan a model on a swarm file and compare with the baselines")
     plan.add_argument("--swarm-file", required=True, help="`fusionp2p status --json` output (or same shape)")
@@ -229,6 +245,8 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         max_memory_bytes=args.max_memory,
         max_jobs=args.max_jobs,
         accept_jobs_from=tuple(args.accept_jobs_from),
+        coordinator=not args.no_coordinator,
+        lease_seconds=args.lease_seconds,
         exec_limits=ExecLimits(
             inbound_bytes=args.max_inbound_memory,
             inbound_bytes_per_peer=min(args.max_inbound_memory, ExecLimits().inbound_bytes_per_peer),
@@ -297,11 +315,20 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     with Swarm(args.initial_peers, swarm=args.swarm) as swarm:
         peers, links = swarm.peers(), swarm.links()
+        lease, plans = swarm.coordinator(), swarm.jobs()
     now = get_dht_time()
     if args.json:
-        print(json.dumps(status_json(args.swarm, peers, links, now), indent=2))
+        doc = status_json(args.swarm, peers, links, now)
+        doc["coordinator"] = asdict(lease) if lease is not None else None
+        doc["jobs"] = [
+            {"job": job, "epoch": epoch, "coordinator": by, "stages": [asdict(r) for r in stages]}
+            for (job, epoch, by), stages in sorted(plans.items())
+        ]
+        print(json.dumps(doc, indent=2))
     else:
         print(format_status(peers, links, now))
+        print()
+        print(format_jobs(lease, plans, peers, now))
     return 0
 
 
@@ -430,7 +457,13 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    handlers = {"peer": _cmd_peer, "status": _cmd_status, "plan": _cmd_plan, "local": _cmd_local}
+    handlers = {
+        "peer": _cmd_peer,
+        "status": _cmd_status,
+        "plan": _cmd_plan,
+        "local": _cmd_local,
+        "train": cmd_train,
+    }
     try:
         return handlers[args.command](args)
     except FusionP2PError as e:

@@ -226,6 +226,8 @@ class PeerConfig:
     max_jobs: int = 1  # jobs served at once; a setup beyond this is refused, never replaces one
     accept_jobs_from: tuple[str, ...] = ()  # PeerIDs allowed to set jobs up here; empty: anyone
     exec_limits: ExecLimits = field(default_factory=ExecLimits)
+    coordinator: bool = True  # stands for coordinator election (False: --no-coordinator)
+    lease_seconds: float = 15.0  # the coordinator lease's period; a dead holder is replaced within 3
 
     def __post_init__(self) -> None:
         if not _SWARM_NAME_RE.match(self.swarm):
@@ -240,7 +242,12 @@ class PeerConfig:
             raise ConfigError("PeerConfig.host_maddrs must name at least one address")
         if self.device not in ("cpu", "auto") and not re.fullmatch(r"cuda(:\d+)?", self.device):
             raise ConfigError(f"PeerConfig.device must be 'cpu', 'cuda[:N]' or 'auto', got {self.device!r}")
-        _positive("PeerConfig", heartbeat=self.heartbeat, record_ttl=self.record_ttl)
+        _positive(
+            "PeerConfig",
+            heartbeat=self.heartbeat,
+            record_ttl=self.record_ttl,
+            lease_seconds=self.lease_seconds,
+        )
         if self.flops_override is not None:
             _positive("PeerConfig", flops_override=self.flops_override)
         if self.upload_limit_mbps is not None:

@@ -8,6 +8,7 @@ FusionP2PError
 ├── PeerUnreachableError   a remote call or stream to a peer failed or passed its deadline
 │   └── DeadlineError      ... passed its deadline (nothing arrived in time)
 ├── SwarmError             joining, reading or leaving the swarm failed
+│   └── CoordinatorError   no coordinator, or it refused or could not plan a job
 └── ProfileError           measuring this device failed
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 __all__ = [
     "ConfigError",
+    "CoordinatorError",
     "DeadlineError",
     "FusionP2PError",
     "LimitError",
@@ -56,6 +58,10 @@ class DeadlineError(PeerUnreachableError):
 
 class SwarmError(FusionP2PError):
     """Joining, reading or leaving the swarm failed."""
+
+
+class CoordinatorError(SwarmError):
+    """No peer holds the coordinator lease, or the coordinator refused or failed a job."""
 
 
 class ProfileError(FusionP2PError):

@@ -24,6 +24,9 @@ from hivemind.utils import get_dht_time
 
 from fusionp2p import __version__
 from fusionp2p.config import PeerConfig
+from fusionp2p.coordination.coordinator import Coordinator
+from fusionp2p.coordination.election import LeaseKeeper
+from fusionp2p.coordination.plan_check import check_planned_setup
 from fusionp2p.errors import FusionP2PError
 from fusionp2p.net.dht_node import start_dht
 from fusionp2p.net.directory import SwarmDirectory
@@ -34,6 +37,7 @@ from fusionp2p.net.transport import P2PTransport, RateLimitedTransport, Transpor
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.records import PeerRecord
 from fusionp2p.runtime.device_profile import DeviceProfile, free_memory, profile_device, resolve_device
+from fusionp2p.runtime.job_setup import JobSetup
 from fusionp2p.runtime.service import ExecutorService, ServicePolicy
 
 __all__ = ["Peer"]
@@ -69,6 +73,10 @@ class Peer:
         self._closed = False
         self._maddrs: list[str] = []
         self.executors: ExecutorService | None = None  # runs the stage a data owner assigns here
+        self.keeper = LeaseKeeper(
+            directory, self.peer_id, lease_s=config.lease_seconds, maddrs=self._lease_maddrs
+        )
+        self.coordinator: Coordinator | None = None  # plans jobs while this peer holds the lease
 
     @classmethod
     async def create(cls, config: PeerConfig) -> Peer:
@@ -117,7 +125,18 @@ class Peer:
                 limits=limits,
                 device=profile.device,
             )
-            peer.executors = await ExecutorService(transport, policy, registry=registry, gate=gate).start()
+            peer.executors = await ExecutorService(
+                transport,
+                policy,
+                registry=registry,
+                gate=gate,
+                plan_check=peer._check_plan,
+                on_jobs_changed=peer._jobs_changed,
+            ).start()
+            if config.coordinator:
+                peer.coordinator = await Coordinator(
+                    transport, directory, peer.keeper, registry, timeout=config.timeouts.dht * 4, gate=gate
+                ).start()
             await peer._publish_self()
             peer.state = "idle"
             await peer._publish_self()
@@ -128,6 +147,8 @@ class Peer:
             raise
         peer._spawn(peer._heartbeat_loop(), "heartbeat")
         peer._spawn(peer._probe_loop(), "probe")
+        if config.coordinator:
+            peer._spawn(peer.keeper.run(), "lease")
         logger.info("peer %s joined swarm %r", peer.peer_id, config.swarm)
         return peer
 
@@ -143,9 +164,24 @@ class Peer:
         return list(self._maddrs)
 
     def set_busy(self, busy: bool) -> None:
-        """Marks the peer as training: it probes ``busy_slowdown`` times less often."""
+        """Marks the peer as training: it probes ``busy_slowdown`` times less often, and a
+        coordinator leaves it out of other jobs' plans."""
         self._busy = busy
         self.state = "training" if busy else "idle"
+
+    def _lease_maddrs(self) -> list[str]:
+        return self.multiaddrs
+
+    async def _check_plan(self, setup: JobSetup, sender: str) -> None:
+        await check_planned_setup(self.directory, setup, sender=sender, me=self.peer_id)
+
+    def _jobs_changed(self) -> None:
+        if self._closed or self.executors is None:
+            return
+        busy = bool(self.executors.jobs)
+        if busy != self._busy:
+            self.set_busy(busy)
+            self._spawn(self._publish_self(), "publish-state")
 
     def _spawn(self, coro, name: str) -> None:
         task = asyncio.create_task(coro, name=f"fusionp2p.{name}")
@@ -158,6 +194,7 @@ class Peer:
     def _peer_record(self, now: float) -> PeerRecord:
         free, total = free_memory(self.profile.device)
         limit = (self.config.upload_limit_mbps or 0) * 1e6 / 8
+        jobs = self.executors.jobs if self.executors is not None else {}
         return PeerRecord(
             peer_id=self.peer_id,
             maddrs=tuple(self.multiaddrs[:8]),
@@ -173,6 +210,8 @@ class Peer:
             fusionp2p_version=__version__,
             executors=self.profile.executors,
             upload_limit_bps=limit,
+            job=next(iter(jobs), "")[:64],
+            stage_s=max((j.last_step_s for j in jobs.values()), default=0.0),
         )
 
     def _next_expiration(self, now: float) -> float:
@@ -254,6 +293,10 @@ class Peer:
         self.state = "leaving"
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._publish_self(), self.config.timeouts.shutdown / 2)
+        if self.coordinator is not None:
+            await self.coordinator.aclose()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.keeper.release(), self.config.timeouts.shutdown / 2)
         if self.executors is not None:
             await self.executors.aclose()
         with contextlib.suppress(Exception):

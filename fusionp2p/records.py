@@ -28,6 +28,7 @@ __all__ = [
     "OPDATA_DTYPES",
     "PEER_STATES",
     "ExecControl",
+    "LeaseRecord",
     "LinkRecord",
     "OpData",
     "PeerRecord",
@@ -219,6 +220,8 @@ class PeerRecord(_WireRecord):
     fusionp2p_version: str = ""
     executors: tuple[str, ...] = ("torch",)  # execution engines this peer offers
     upload_limit_bps: float = 0.0  # declared cap on outgoing bytes/s, 0 for none
+    job: str = ""  # the job whose stage it runs, while training
+    stage_s: float = 0.0  # that stage's compute seconds in its last iteration
 
     def __post_init__(self) -> None:
         if not self.peer_id:
@@ -266,13 +269,33 @@ class LinkRecord(_WireRecord):
 
 
 @dataclass(frozen=True)
+class LeaseRecord(_WireRecord):
+    """A claim on the swarm's coordinator lease (``coordination/election.py``)."""
+
+    KIND: ClassVar[str] = "lease"
+
+    holder: str  # base58 PeerID of the claimant; must match the signer
+    epoch: int  # the fencing token: every plan names the epoch it was made in
+    granted_at: float  # DHT time the holder took this epoch
+    valid_until: float  # DHT time the lease runs out unless renewed
+    maddrs: tuple[str, ...] = ()  # where a data owner reaches the coordinator
+
+    def __post_init__(self) -> None:
+        if not self.holder or self.epoch < 1:
+            raise RecordError(f"LeaseRecord needs a holder and an epoch >= 1, got {self.epoch}")
+        if self.valid_until < self.granted_at:
+            raise RecordError("LeaseRecord.valid_until is before granted_at")
+
+
+@dataclass(frozen=True)
 class PlanStageRecord(_WireRecord):
-    """One stage of a Plan: who runs which OP-DAG nodes, and the ratio of each outgoing link."""
+    """One stage of a job's Plan: who runs which OP-DAG nodes, and each outgoing link's ratio."""
 
     KIND: ClassVar[str] = "plan_stage"
+    VERSION: ClassVar[int] = 2  # 2: names its job's data owner; epochs are the coordinator's lease epochs
 
-    plan_id: str  # the coordinator's id for this plan
-    epoch: int  # increases with every re-plan; peers follow the highest
+    plan_id: str  # the job this plan is for
+    epoch: int  # the coordinator's lease epoch when it made the plan
     stage: int  # 0..n_stages-1, in topological order
     n_stages: int
     peer_id: str  # owner of the stage
@@ -283,6 +306,7 @@ class PlanStageRecord(_WireRecord):
     est_iteration_s: float  # the estimate the plan was chosen for
     made_by: str  # PeerID of the coordinator
     made_at: float  # DHT time
+    data_owner: str = ""  # PeerID of the job's data owner: the only peer that may set the plan up
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage < self.n_stages:
@@ -412,13 +436,14 @@ class ExecControl(_WireRecord):
 
 
 _KINDS: dict[str, type[_WireRecord]] = {
-    cls.KIND: cls for cls in (PeerRecord, LinkRecord, PlanStageRecord, TopKHeader, OpData, ExecControl)
+    cls.KIND: cls
+    for cls in (PeerRecord, LinkRecord, LeaseRecord, PlanStageRecord, TopKHeader, OpData, ExecControl)
 }
 
 
 def decode_record(
     data: bytes | bytearray,
-) -> PeerRecord | LinkRecord | PlanStageRecord | TopKHeader | OpData | ExecControl:
+) -> PeerRecord | LinkRecord | LeaseRecord | PlanStageRecord | TopKHeader | OpData | ExecControl:
     """Decodes any known record by its ``kind`` field.
 
     Raises:

@@ -7,7 +7,8 @@
 In async code use ``async with Swarm(...) as swarm`` and ``await swarm.apeers()`` /
 ``await swarm.alinks()``. A Swarm runs a client-mode DHT node: it reads the swarm's
 records without serving as a full peer. ``swarm.pipeline(spec, ...)`` trains a model
-split over the swarm's peers, with this process as the data owner.
+split over the swarm's peers, with this process as the data owner; ``swarm.train(job)``
+submits a ``JobSpec`` to the elected coordinator and trains on the plan it publishes.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
 
 from fusionp2p.config import DEFAULT_SWARM, OptimizerConfig
+from fusionp2p.coordination.election import lease_in_force
 from fusionp2p.data_owner import plan_job, probe_from, self_record
 from fusionp2p.errors import ConfigError, SwarmError
 from fusionp2p.net.dht_node import start_dht
@@ -33,8 +36,13 @@ from fusionp2p.opdag.split import Partition
 from fusionp2p.opdag.trace import trace_spec
 from fusionp2p.planning import CompressionPolicy, CostConfig, Plan, Topology, estimate_segments
 from fusionp2p.planning.estimate import Estimate
-from fusionp2p.records import LinkRecord, PeerRecord
+from fusionp2p.records import LeaseRecord, LinkRecord, PeerRecord, PlanStageRecord
 from fusionp2p.runtime.driver import PipelineDriver
+from fusionp2p.training.job_spec import JobSpec
+from fusionp2p.training.submit import SubmittedJob, submit_job
+
+if TYPE_CHECKING:
+    from fusionp2p.training.trainer import TrainResult
 
 __all__ = ["Pipeline", "Swarm"]
 
@@ -105,6 +113,14 @@ class Swarm:
         links = await self._directory.fetch_links(sorted(peers))
         return sorted((lk for lk in links if lk.dst in peers), key=lambda lk: (lk.src, lk.dst))
 
+    async def acoordinator(self) -> LeaseRecord | None:
+        """The coordinator lease in force (its holder and epoch), or None."""
+        return lease_in_force(await self._directory.fetch_leases(), get_dht_time())
+
+    async def ajobs(self) -> dict[tuple[str, int, str], list[PlanStageRecord]]:
+        """Every complete plan in the DHT: (job, epoch, coordinator) -> its stages."""
+        return await self._directory.fetch_all_plans()
+
     async def __aenter__(self) -> Swarm:
         return self
 
@@ -138,6 +154,14 @@ class Swarm:
     def links(self) -> list[LinkRecord]:
         """Measured links whose two ends are live peers, sorted by (src, dst)."""
         return self._run(self.alinks())
+
+    def coordinator(self) -> LeaseRecord | None:
+        """Sync ``acoordinator``."""
+        return self._run(self.acoordinator())
+
+    def jobs(self) -> dict[tuple[str, int, str], list[PlanStageRecord]]:
+        """Sync ``ajobs``."""
+        return self._run(self.ajobs())
 
     async def _transport(self) -> P2PTransport:
         """This process's libp2p handle for streams (one, on this Swarm's loop)."""
@@ -185,6 +209,32 @@ class Swarm:
         transport = await self._transport()
         return plan_job(traced.dag, topo, transport.peer_id, method=method, cost=cost)
 
+    @property
+    def directory(self) -> SwarmDirectory:
+        """The swarm's records in the DHT (read-only from a Swarm)."""
+        return self._directory
+
+    async def asubmit(self, job: JobSpec, *, registry: ModelRegistry | None = None) -> SubmittedJob:
+        """Submits ``job`` to the elected coordinator: the plan it published (``training.submit``)."""
+        return await submit_job(await self._transport(), self._directory, job, registry=registry)
+
+    def submit(self, job: JobSpec, **kwargs: Any) -> SubmittedJob:
+        """Sync ``asubmit``."""
+        return self._run(self.asubmit(job, **kwargs))
+
+    def train(self, job: JobSpec, **kwargs: Any) -> TrainResult:
+        """Trains ``job`` on the swarm with this process as its data owner: submits it, sets
+        the published plan up, runs ``job.steps`` steps on its data (which never leaves this
+        process) with a progress bar, writes metrics, checkpoints and the final weights
+        under ``job.run_dir`` (``training.trainer.train``).
+
+        Raises:
+            ConfigError, SwarmError, CoordinatorError, ProtocolError: see ``train``.
+        """
+        from fusionp2p.training.trainer import train
+
+        return train(self, job, **kwargs)
+
     def topology(self, **kwargs: Any) -> Topology:
         """Sync ``atopology``."""
         return self._run(self.atopology(**kwargs))
@@ -206,6 +256,8 @@ class Swarm:
         ratios: dict[int, float] | None = None,
         timeout: float = 120.0,
         registry: ModelRegistry | None = None,
+        epoch: int = 0,
+        job: str | None = None,
     ) -> Pipeline:
         """Sets ``spec``'s model up over live peers; this process runs stage 0 (it reads the
         raw inputs and computes the loss, which never leave it).
@@ -270,6 +322,8 @@ class Swarm:
                 timeout=timeout,
                 registry=registry,
                 expect_dag=plan.dag,
+                epoch=epoch,
+                job=job,
             )
 
         driver = self._run(create())
@@ -363,6 +417,10 @@ class Pipeline:
 
     def step(self) -> None:
         self._swarm._run(self.driver.step())
+
+    def stage_seconds(self) -> list[float]:
+        """Per runtime stage (0 is this process): seconds it computed in the last iteration."""
+        return list(self.driver.stage_seconds)
 
     def fetch(self, what: str = "params") -> dict[str, torch.Tensor]:
         """All stages' parameters (``"params"``) or this iteration's gradients (``"grads"``)."""

@@ -41,17 +41,18 @@ def test_plan_records_round_trip_and_the_newest_complete_plan_wins(tmp_path) -> 
     try:
         directory = SwarmDirectory(dht, "unit", owner_marker=RSASignatureValidator(key).local_public_key)
 
-        async def run() -> list[PlanStageRecord]:
+        async def run() -> tuple[dict, dict]:
             expiration = get_dht_time() + 30
             assert await directory.publish_plan([_stage(1, i, 2, me) for i in range(2)], expiration) == 2
-            # a newer plan that misses a stage is not taken
+            # a plan that misses a stage is not taken
             assert await directory.publish_plan([_stage(2, 0, 3, me)], expiration) == 1
             with pytest.raises(RecordError, match="exceeds"):
                 await directory._store("unit.x", b"k", bytes(4000), expiration)
-            return await directory.fetch_plan()
+            return await directory.fetch_plans("plan1"), await directory.fetch_plans("plan2")
 
-        plan = loop.run_until_complete(run())
-        assert [(r.epoch, r.stage) for r in plan] == [(1, 0), (1, 1)]
+        complete, partial = loop.run_until_complete(run())
+        assert [(r.epoch, r.stage) for r in complete[(1, me)]] == [(1, 0), (1, 1)]
+        assert partial == {}
     finally:
         dht.shutdown()
         loop.close()

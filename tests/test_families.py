@@ -20,7 +20,18 @@ GPT2 = ModelSpec("gpt2", {"n_layer": 1, "n_embd": 16, "n_head": 2, "vocab_size":
 
 def test_the_builtin_families_are_served_and_nothing_else() -> None:
     registry = ModelRegistry(entry_points=False)
-    assert registry.names() == sorted(f.name for f in BUILTIN_FAMILIES) == ["digits-cnn", "gpt2", "llama"]
+    assert (
+        registry.names()
+        == sorted(f.name for f in BUILTIN_FAMILIES)
+        == [
+            "digits-cnn",
+            "gpt2",
+            "gpt_neox",
+            "llama",
+            "mistral",
+            "qwen2",
+        ]
+    )
     for name in ("os:system", "subprocess:run", "builtins:eval", "os.system", "../../etc"):
         with pytest.raises(UnknownModelError, match="--allow-model") as info:
             registry.resolve(name)

@@ -4,7 +4,8 @@ Layout (every value is one small signed record; DESIGN.md explains why values st
 
     {swarm}.peers.{shard}   subkey  b"{peer_id}" + owner marker  ->  PeerRecord
     {swarm}.links.{src}     subkey  b"{dst}" + owner marker      ->  LinkRecord (src -> dst)
-    {swarm}.plan            subkey  b"{epoch}.{stage}" + marker  ->  PlanStageRecord (by the coordinator)
+    {swarm}.coordinator     subkey  b"{holder}" + owner marker   ->  LeaseRecord (a claim on the lease)
+    {swarm}.plans           subkey  b"{job}.{epoch}.{stage}" + marker  ->  PlanStageRecord
 
 Peers are spread over ``PEER_SHARDS`` keys so no single DHT value grows with the swarm;
 each link subkey expires on its own. A record only counts while it is unexpired, so a
@@ -23,7 +24,7 @@ import hivemind
 from hivemind.utils import get_dht_time
 
 from fusionp2p.errors import RecordError, SwarmError
-from fusionp2p.records import LinkRecord, PeerRecord, PlanStageRecord
+from fusionp2p.records import LeaseRecord, LinkRecord, PeerRecord, PlanStageRecord
 
 __all__ = ["MAX_STORE_BYTES", "PEER_SHARDS", "SwarmDirectory"]
 
@@ -155,32 +156,59 @@ class SwarmDirectory:
                     links.append(record)
         return links
 
-    async def publish_plan(self, records: Sequence[PlanStageRecord], expiration: float) -> int:
-        """Stores a plan, one record per stage; returns how many stages were accepted."""
+    def _signed(self) -> bytes:
         if not self.owner_marker:
             raise SwarmError("this directory has no signing key; it can only read")
-        key = f"{self.swarm}.plan"
+        return self.owner_marker
+
+    async def publish_lease(self, record: LeaseRecord, expiration: float) -> bool:
+        """Stores this peer's claim on the coordinator lease (its own subkey)."""
+        subkey = record.holder.encode() + self._signed()
+        return await self._store(f"{self.swarm}.coordinator", subkey, record.to_wire(), expiration)
+
+    async def fetch_leases(self) -> list[LeaseRecord]:
+        """Every claim on the coordinator lease still in the DHT, valid or not."""
+        leases = []
+        for data in (await self._get_dict(f"{self.swarm}.coordinator")).values():
+            try:
+                leases.append(LeaseRecord.from_wire(data))
+            except RecordError as e:
+                logger.warning("protocol error: skipped a malformed LeaseRecord: %s", e)
+        return leases
+
+    async def publish_plan(self, records: Sequence[PlanStageRecord], expiration: float) -> int:
+        """Stores a job's plan, one record per stage; returns how many stages were accepted."""
+        marker = self._signed()
         results = await asyncio.gather(
             *(
-                self._store(key, f"{r.epoch}.{r.stage}".encode() + self.owner_marker, r.to_wire(), expiration)
+                self._store(
+                    f"{self.swarm}.plans",
+                    f"{r.plan_id}.{r.epoch}.{r.stage}".encode() + marker,
+                    r.to_wire(),
+                    expiration,
+                )
                 for r in records
             ),
             return_exceptions=True,
         )
         return sum(1 for ok in results if ok is True)
 
-    async def fetch_plan(self) -> list[PlanStageRecord]:
-        """The stage records of the newest complete plan (highest epoch), or [] if none."""
-        plans: dict[tuple[int, str], dict[int, PlanStageRecord]] = {}
-        for data in (await self._get_dict(f"{self.swarm}.plan")).values():
+    async def fetch_all_plans(self) -> dict[tuple[str, int, str], list[PlanStageRecord]]:
+        """Every complete plan in the DHT: (job, epoch, coordinator) -> its stages in order."""
+        plans: dict[tuple[str, int, str], dict[int, PlanStageRecord]] = {}
+        for data in (await self._get_dict(f"{self.swarm}.plans")).values():
             try:
                 record = PlanStageRecord.from_wire(data)
             except RecordError as e:
                 logger.warning("protocol error: skipped a malformed plan record: %s", e)
                 continue
-            plans.setdefault((record.epoch, record.plan_id), {})[record.stage] = record
-        complete = [(k, v) for k, v in plans.items() if len(v) == next(iter(v.values())).n_stages]
-        if not complete:
-            return []
-        _, stages = max(complete, key=lambda kv: kv[0])
-        return [stages[i] for i in sorted(stages)]
+            plans.setdefault((record.plan_id, record.epoch, record.made_by), {})[record.stage] = record
+        return {
+            key: [stages[i] for i in range(len(stages))]
+            for key, stages in plans.items()
+            if sorted(stages) == list(range(next(iter(stages.values())).n_stages))
+        }
+
+    async def fetch_plans(self, job: str) -> dict[tuple[int, str], list[PlanStageRecord]]:
+        """The complete plans of ``job``: (epoch, coordinator) -> its stages in order."""
+        return {(e, by): stages for (j, e, by), stages in (await self.fetch_all_plans()).items() if j == job}

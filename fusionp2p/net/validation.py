@@ -24,7 +24,14 @@ from hivemind.utils import get_dht_time
 from fusionp2p.errors import RecordError
 from fusionp2p.net.identity import peer_id_from_public_key
 from fusionp2p.net.limits import RejectionLog
-from fusionp2p.records import MAX_RECORD_BYTES, LinkRecord, PeerRecord, PlanStageRecord, decode_record
+from fusionp2p.records import (
+    MAX_RECORD_BYTES,
+    LeaseRecord,
+    LinkRecord,
+    PeerRecord,
+    PlanStageRecord,
+    decode_record,
+)
 
 __all__ = ["MAX_RECORD_LIFETIME", "LoggingSignatureValidator", "SwarmRecordValidator", "make_validators"]
 
@@ -60,6 +67,8 @@ def _speaker(record: object) -> str | None:
         return record.src
     if isinstance(record, PlanStageRecord):
         return record.made_by
+    if isinstance(record, LeaseRecord):
+        return record.holder
     return None
 
 

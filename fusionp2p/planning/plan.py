@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from fusionp2p.opdag.ir import OpDag
 from fusionp2p.planning.cost import CostConfig
-from fusionp2p.planning.estimate import Estimate, Stage
+from fusionp2p.planning.estimate import Estimate, Stage, estimate
 from fusionp2p.planning.topology import PlanningError, Topology
 from fusionp2p.records import PlanStageRecord
 
@@ -104,7 +104,9 @@ class Plan:
     def iteration_s(self) -> float:
         return self.estimate.iteration_s
 
-    def to_records(self, *, plan_id: str, epoch: int, made_by: str, made_at: float) -> list[PlanStageRecord]:
+    def to_records(
+        self, *, plan_id: str, epoch: int, made_by: str, made_at: float, data_owner: str = ""
+    ) -> list[PlanStageRecord]:
         """One wire record per stage, for the DHT."""
         return [
             PlanStageRecord(
@@ -120,9 +122,45 @@ class Plan:
                 est_iteration_s=self.estimate.pipelined_s,
                 made_by=made_by,
                 made_at=made_at,
+                data_owner=data_owner,
             )
             for k, stage in enumerate(self.stages)
         ]
+
+    @classmethod
+    def from_records(
+        cls,
+        records: Sequence[PlanStageRecord],
+        dag: OpDag,
+        topo: Topology,
+        cost: CostConfig,
+        *,
+        method: str = "",
+    ) -> Plan:
+        """The plan a coordinator published, rebuilt over ``topo`` (which must hold its peers)
+        with its ratios and a fresh estimate; ``version`` is its epoch.
+
+        Raises:
+            PlanningError: incomplete records, another OP-DAG, or a peer ``topo`` lacks.
+        """
+        owners = cls.stages_from_records(records, dag)
+        index = {peer: i for i, peer in enumerate(topo.peer_ids)}
+        missing = [peer[-8:] for peer, _ in owners if peer not in index]
+        if missing:
+            raise PlanningError(f"the plan names peers {missing} the topology does not hold")
+        stages = tuple(Stage(index[peer], nodes) for peer, nodes in owners)
+        ratios = {(r.stage, int(b)): ratio for r in records for b, ratio in r.links_to.items()}
+        est = estimate(dag, topo, stages, cost, ratios)
+        return cls(
+            method or "published",
+            records[0].dag,
+            tuple(peer for peer, _ in owners),
+            stages,
+            ratios,
+            records[0].n_micro_batches,
+            est,
+            version=records[0].epoch,
+        )
 
     @staticmethod
     def stages_from_records(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -94,25 +95,28 @@ class ComputeQueue:
                 work = functools.partial(job.executor.accept, item.header, item.body)
             steps.append((work, job.executor, job.iteration))
 
-        def run() -> list[tuple[list[Message], int, Exception | None] | None]:
-            results: list[tuple[list[Message], int, Exception | None] | None] = []
+        def run() -> list[tuple[list[Message], int, Exception | None, float] | None]:
+            results: list[tuple[list[Message], int, Exception | None, float] | None] = []
             for step in steps:
                 if step is None:
                     results.append(None)
                     continue
                 work, executor, iteration = step
+                began = time.perf_counter()
                 try:
                     out = work()
-                    results.append((out, executor.micro_batches_done(iteration), None))
+                    done = executor.micro_batches_done(iteration)
+                    results.append((out, done, None, time.perf_counter() - began))
                 except Exception as e:
-                    results.append(([], 0, e))
+                    results.append(([], 0, e, time.perf_counter() - began))
             return results
 
         for item, result in zip(batch, await self.in_pool(run), strict=True):
             if result is None:
                 continue
             job = item.job
-            out, done, error = result
+            out, done, error, seconds = result
+            job.compute_s += seconds
             if isinstance(error, ProtocolError):
                 self.rejected += 1
                 job.fail(
@@ -166,8 +170,9 @@ class ComputeQueue:
         if job.closed:
             raise ProtocolError(f"job {job.name} was torn down")
 
-    async def step(self, job: Job) -> None:
-        """Once ``job``'s iteration is done here, applies the optimizer and moves on.
+    async def step(self, job: Job) -> float:
+        """Once ``job``'s iteration is done here, applies the optimizer and moves on; the
+        seconds this stage computed in the iteration, its optimizer step included.
 
         Raises:
             ProtocolError: the job failed, its state is incomplete, or its iteration did not
@@ -178,13 +183,16 @@ class ComputeQueue:
         await self.wait_ready(job)
         executor, iteration = job.executor, job.iteration
 
-        def step() -> int:
+        def step() -> tuple[int, float]:
+            began = time.perf_counter()
             executor.step(iteration)
-            return executor.micro_batches_done(iteration + 1)
+            return executor.micro_batches_done(iteration + 1), time.perf_counter() - began
 
-        job.micro_batches_done = await self.in_pool(step)
+        job.micro_batches_done, seconds = await self.in_pool(step)
         job.iteration = iteration + 1
         job.seen.clear()
+        job.last_step_s, job.compute_s = job.compute_s + seconds, 0.0
+        return job.last_step_s
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -29,7 +29,7 @@ from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.opdag.split import Partition, balanced_assignment, partition
 from fusionp2p.opdag.trace import TracedModel, trace_spec
 from fusionp2p.records import ExecControl
-from fusionp2p.runtime.codec import CONTROL_REPLY_BYTES, ExecClient, unpack_message
+from fusionp2p.runtime.codec import CONTROL_REPLY_BYTES, STEP_REPLY, ExecClient, unpack_message
 from fusionp2p.runtime.job_setup import JobSetup
 from fusionp2p.runtime.losses import LOSSES
 from fusionp2p.runtime.service import ExecutorService, ServicePolicy
@@ -76,6 +76,7 @@ class PipelineDriver:
         self.partition = part
         self.setups = setups
         self.iteration = 0
+        self.stage_seconds: list[float] = []  # per stage: compute seconds of the last iteration
         self._clients = clients
         self._limits = limits
         self._input_name = next(s for s in part.segments if s.kind == "source").nodes[0]
@@ -108,6 +109,7 @@ class PipelineDriver:
         link_ratios: Mapping[tuple[int, int], float] | None = None,
         plan_version: int = 1,
         expect_dag: str | None = None,
+        epoch: int = 0,
     ) -> PipelineDriver:
         """Traces and splits the model, and sets up every stage.
 
@@ -119,7 +121,8 @@ class PipelineDriver:
         builds the model here (default: the built-in families, installed entry points and
         ``spec.family`` itself if it is an import path, since this process chose it);
         every stage peer builds it from its own registry. ``plan_version`` is what every
-        OpData of the job names; ``expect_dag`` the OP-DAG fingerprint the plan was made for.
+        OpData of the job names; ``expect_dag`` the OP-DAG fingerprint the plan was made for;
+        ``epoch`` the coordinator epoch of a published plan (each stage checks it is in force).
 
         Raises:
             ConfigError: a bad assignment, loss, peer list or model config.
@@ -167,6 +170,8 @@ class PipelineDriver:
             optimizer=optimizer,
             link_ratios=links,
             plan_version=plan_version,
+            epoch=epoch,
+            planned=assignment if epoch and isinstance(assignment, Sequence) else None,
         )
         ratio_items = setups[data_stage].ratios
         executor = TorchExecutor(
@@ -253,9 +258,16 @@ class PipelineDriver:
         header = ExecControl(
             command="step", job=self.job, iteration=self.iteration, n_micro_batches=self.n_micro_batches
         )
-        await asyncio.gather(
-            self.service.step(self.job), *(client.request(header) for client in self._clients.values())
+        own, replies = await asyncio.gather(
+            self.service.step(self.job),
+            asyncio.gather(*(client.request(header) for client in self._clients.values())),
         )
+        seconds = {self.partition.data_stage: own}
+        for stage, (_, payload) in zip(self._clients, replies, strict=True):
+            seconds[stage] = (
+                STEP_REPLY.unpack(payload)[0] if len(payload) == STEP_REPLY.size else float("nan")
+            )
+        self.stage_seconds = [seconds[s] for s in sorted(seconds)]
         self.iteration += 1
 
     async def train_step(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:

@@ -120,7 +120,7 @@ def _ratios(value: Any, n_stages: int) -> tuple[tuple[int, float], ...]:
 class JobSetup:
     """Everything a stage needs to build its executor."""
 
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3  # 3: the coordinator's epoch
 
     job: str  # 1-64 letters, digits, '-' or '_'
     spec: ModelSpec
@@ -136,6 +136,7 @@ class JobSetup:
     in_flight: int = 1  # micro-batches unfinished at once (1F1B window); memory is checked for this many
     engine: str = "torch"  # the execution engine that runs the stage (a PeerRecord lists its engines)
     plan_version: int = 1  # every OpData of the job names it; another version's is dropped
+    epoch: int = 0  # the coordinator epoch whose published plan this follows; 0: the owner's own split
 
     def peer_of(self, stage: int) -> str:
         return self.peers[stage][0]
@@ -153,10 +154,18 @@ class JobSetup:
         optimizer: OptimizerConfig,
         link_ratios: Mapping[tuple[int, int], float] | None = None,
         plan_version: int = 1,
+        epoch: int = 0,
+        planned: Sequence[int] | None = None,
     ) -> list[JobSetup]:
         """One setup per stage of ``part`` (a split of ``traced``, the traced ``spec``);
-        ``link_ratios[(a, b)]`` is the Top-K ratio of what stage ``a`` sends stage ``b``."""
-        assignment = tuple(part.stage_of[n] for n in op_node_names(traced.program.graph))
+        ``link_ratios[(a, b)]`` is the Top-K ratio of what stage ``a`` sends stage ``b``.
+        ``planned`` is a published plan's assignment as it was planned: it travels instead
+        of ``part``'s normalized one, so each stage can compare it with the plan in the DHT
+        (the split normalizes it the same way everywhere)."""
+        if planned is not None:
+            assignment = tuple(planned)
+        else:
+            assignment = tuple(part.stage_of[n] for n in op_node_names(traced.program.graph))
         ratios = link_ratios or {}
         return [
             cls(
@@ -173,6 +182,7 @@ class JobSetup:
                 ratios=tuple(sorted((b, r) for (a, b), r in ratios.items() if a == stage and r > 1)),
                 in_flight=in_flight_window(n_micro_batches, part.n_stages),
                 plan_version=plan_version,
+                epoch=epoch,
             )
             for stage in range(part.n_stages)
         ]
@@ -195,6 +205,7 @@ class JobSetup:
                 "in_flight": self.in_flight,
                 "engine": self.engine,
                 "plan_version": self.plan_version,
+                "epoch": self.epoch,
             }
         ).encode()
 
@@ -227,4 +238,5 @@ class JobSetup:
             in_flight=_int(body, "in_flight", 1, n_micro_batches),
             engine=_str(body, "engine", _ENGINE_RE),
             plan_version=_int(body, "plan_version", 0, 1 << 62),
+            epoch=_int(body, "epoch", 0, 1 << 62),
         )

@@ -61,6 +61,8 @@ class Job:
     queued: int = 0  # work items waiting or running
     pending_sends: int = 0  # OpData handed to senders and not yet acknowledged
     busy: int = 0  # control requests being handled
+    compute_s: float = 0.0  # compute-thread seconds spent on this iteration so far
+    last_step_s: float = 0.0  # compute seconds of the last finished iteration
     seen: set[tuple[object, ...]] = field(default_factory=set)  # OpData accepted this iteration
     last_active: float = field(default_factory=time.monotonic)
     closed: bool = False

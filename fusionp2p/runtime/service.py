@@ -13,7 +13,8 @@ in an ``InboundBudget``. Anything over a limit gets an ERROR reply naming it and
 stream is closed; a refused but well-framed request gets its ERROR and the stream lives
 on. An OpData is acknowledged only after every check, duplicates included; it is then
 queued (bounded) for the single compute thread, never computed while its sender waits,
-so two stages sending to each other cannot deadlock.
+so two stages sending to each other cannot deadlock. A setup that follows a coordinator's
+published plan (a nonzero epoch) is first checked against the DHT by ``plan_check``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -37,6 +38,7 @@ from fusionp2p.records import MAX_RECORD_BYTES, ExecControl, OpData
 from fusionp2p.runtime.codec import (
     CREDIT,
     EXEC_PROTOCOL,
+    STEP_REPLY,
     ExecHeader,
     pack_message,
     read_message_header,
@@ -53,6 +55,7 @@ __all__ = ["ExecutorService", "ServicePolicy"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+PlanCheck = Callable[[JobSetup, str], Awaitable[None]]  # (setup, sender) -> None, or ProtocolError
 _REAP_PERIOD = 5.0
 
 
@@ -80,6 +83,8 @@ class ExecutorService:
         registry: ModelRegistry | None = None,
         engines: Mapping[str, BuildStage] = ENGINES,
         gate: StreamGate | None = None,
+        plan_check: PlanCheck | None = None,
+        on_jobs_changed: Callable[[], None] | None = None,
     ) -> None:
         self.transport = transport
         self.policy = policy or ServicePolicy()
@@ -95,6 +100,8 @@ class ExecutorService:
         self._setting_up: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._log = RejectionLog(logger, "protocol error: rejected exec message")
+        self._plan_check = plan_check
+        self._on_jobs_changed = on_jobs_changed
 
     async def start(self) -> ExecutorService:
         self._gate.privileged = self._works_for_a_job
@@ -302,13 +309,14 @@ class ExecutorService:
         """
         await self.compute.wait_ready(self._job(job_name))
 
-    async def step(self, job_name: str) -> None:
-        """Once the job's iteration is done here, applies the optimizer and moves on.
+    async def step(self, job_name: str) -> float:
+        """Once the job's iteration is done here, applies the optimizer and moves on; the
+        seconds this stage computed in the iteration.
 
         Raises:
             ProtocolError: the job failed, or its iteration did not finish in time.
         """
-        await self.compute.step(self._job(job_name))
+        return await self.compute.step(self._job(job_name))
 
     # ------------------------------------------------------------ control
     async def _control(
@@ -346,8 +354,8 @@ class ExecutorService:
             data = await self.in_pool(executor.state_dict if header.what == "params" else executor.grads)
             reply = ExecControl(command="fetch", job=job.name, what=header.what, body_bytes=len(data))
             return FrameKind.DATA, pack_message(reply, data)
-        await self.step(job.name)
-        return FrameKind.ACK, b""
+        seconds = await self.step(job.name)
+        return FrameKind.ACK, STEP_REPLY.pack(seconds)
 
     async def _setup(self, remote: str, name: str, body: bytes | bytearray) -> None:
         self._admit_setup(remote, name)
@@ -360,6 +368,8 @@ class ExecutorService:
             )
         if setup.peer_of(setup.data_stage) != remote:
             raise ProtocolError("a job is set up by its data owner: the sender must run the data stage")
+        if setup.epoch and self._plan_check is None:
+            raise ProtocolError("this peer follows no coordinator: it cannot check a planned setup")
         build = self._engines.get(setup.engine)
         if build is None:
             raise ProtocolError(
@@ -367,6 +377,13 @@ class ExecutorService:
             )
         self._setting_up.add(name)
         try:
+            if setup.epoch and self._plan_check is not None:
+                try:
+                    await asyncio.wait_for(self._plan_check(setup, remote), self.policy.timeout)
+                except asyncio.TimeoutError:
+                    raise ProtocolError(
+                        f"job {name}: its plan could not be read from the DHT in time"
+                    ) from None
             executor = await self.in_pool(
                 functools.partial(
                     build, setup, self.registry, self.policy.max_memory_bytes, self.policy.device
@@ -407,13 +424,19 @@ class ExecutorService:
             owner,
             format_bytes(job.max_body),
         )
+        self._jobs_changed()
         return job
+
+    def _jobs_changed(self) -> None:
+        if self._on_jobs_changed is not None:
+            self._on_jobs_changed()
 
     async def _drop(self, job: Job, why: str) -> None:
         if self.jobs.get(job.name) is job:
             del self.jobs[job.name]
         await job.aclose()
         await self.compute.notify()
+        self._jobs_changed()
         logger.info("job %s (stage %d) ended: %s; its memory is freed", job.name, job.setup.stage, why)
 
     async def _reap(self) -> None:

@@ -1,0 +1,126 @@
+"""The job side of the CLI: ``fusionp2p train`` and the coordinator part of ``status``.
+
+fusionp2p train --config job.toml --initial-peers MADDR ...   train as this job's data owner
+fusionp2p train --example-config                              a commented job file to start from
+fusionp2p train --local 4 [--config job.toml]                 ... on a local swarm of 4 peers
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from fusionp2p.errors import ConfigError
+from fusionp2p.records import LeaseRecord, PeerRecord, PlanStageRecord
+
+__all__ = ["add_train_parser", "cmd_train", "format_jobs"]
+
+
+def add_train_parser(sub: Any, add_swarm_args: Any) -> None:
+    """Registers ``train`` on the CLI's subparsers."""
+    train = sub.add_parser(
+        "train",
+        help="train a model on the swarm as its data owner (the data never leaves this machine)",
+    )
+    add_swarm_args(train)
+    train.add_argument("--config", metavar="TOML", help="the job file (see --example-config)")
+    train.add_argument("--example-config", action="store_true", help="print a commented job file and exit")
+    train.add_argument(
+        "--local",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start a local swarm of N peer processes on this machine for the job (a demo)",
+    )
+    train.add_argument("--steps", type=int, help="override the job's [train] steps")
+    train.add_argument("--out-dir", help="override the job's [output] dir")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar (metrics still written)")
+
+
+def _load_job(args: argparse.Namespace) -> Any:
+    from fusionp2p.training.job_spec import JobSpec
+
+    job = JobSpec.load(args.config) if args.config else JobSpec(name="stdlib-gpt", min_peers=args.local or 1)
+    changes: dict[str, Any] = {}
+    if args.steps is not None:
+        changes["steps"] = args.steps
+    if args.out_dir:
+        changes["out_dir"] = args.out_dir
+    try:
+        return job.with_(**changes) if changes else job
+    except ConfigError as e:
+        raise ConfigError(f"command line: {e}") from e
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """``fusionp2p train``: returns the exit code (errors propagate as FusionP2PError)."""
+    from fusionp2p.training.job_spec import EXAMPLE_CONFIG
+
+    if args.example_config:
+        print(EXAMPLE_CONFIG, end="")
+        return 0
+    job = _load_job(args)
+    if args.local < 0 or args.local > 16:
+        raise ConfigError(f"--local takes 1-16 peers, got {args.local}")
+    if not args.local and not args.initial_peers:
+        raise ConfigError("train needs --initial-peers MADDR (printed by `fusionp2p peer`), or --local N")
+    from fusionp2p.swarm import Swarm
+
+    if args.local:
+        from fusionp2p.launch import LocalSwarm
+
+        print(f"starting a local swarm of {args.local} peers on loopback...", flush=True)
+        fast = ["--heartbeat", "2", "--record-ttl", "10", "--probe-period", "3", "--lease-seconds", "6"]
+        with (
+            LocalSwarm(args.local, peer_args=[fast] * args.local, log_level="warning") as local,
+            Swarm(local.initial_peers, swarm=local.swarm) as swarm,
+        ):
+            swarm.train(job, progress=not args.no_progress)
+        print("the local swarm stopped; no peer process is left.")
+        return 0
+    with Swarm(args.initial_peers, swarm=args.swarm) as swarm:
+        swarm.train(job, progress=not args.no_progress)
+    return 0
+
+
+def format_jobs(
+    lease: LeaseRecord | None,
+    plans: dict[tuple[str, int, str], list[PlanStageRecord]],
+    peers: list[PeerRecord],
+    now: float,
+) -> str:
+    """The coordinator and its epoch, then each job's plan with each stage's state and last
+    measured compute time."""
+    if lease is None:
+        rows = ["coordinator: none (no peer holds the lease)"]
+    else:
+        rows = [
+            f"coordinator: {lease.holder[-8:]} (epoch {lease.epoch}, since {now - lease.granted_at:.0f} s, "
+            f"lease valid {lease.valid_until - now:.0f} s more)"
+        ]
+    by_id = {p.peer_id: p for p in peers}
+    current = {
+        (job, e, by) for job, e, by in plans if lease is not None and (e, by) == (lease.epoch, lease.holder)
+    }
+    shown = sorted(plans, key=lambda k: (k not in current, k[0], -k[1]))
+    rows.append(f"{len(plans)} planned job(s)" + (":" if plans else ""))
+    for key in shown[:20]:
+        job, epoch, by = key
+        stages = plans[key]
+        flag = "" if key in current else "  (older epoch or coordinator: not in force)"
+        owner = stages[0].data_owner[-8:] if stages[0].data_owner else "?"
+        rows.append(
+            f"  job {job}: epoch {epoch} by {by[-8:]}, data owner {owner}, {len(stages)} stage(s){flag}"
+        )
+        for r in stages:
+            peer = by_id.get(r.peer_id)
+            state = peer.state if peer is not None else "gone"
+            took = (
+                f"{peer.stage_s:.2f} s/step" if peer is not None and peer.job == job and peer.stage_s else "-"
+            )
+            n_nodes = sum(e - s for s, e in zip(r.node_ranges[::2], r.node_ranges[1::2], strict=True))
+            ratios = ", ".join(f"->{b}: {v:.0f}x" for b, v in sorted(r.links_to.items())) or "dense"
+            rows.append(
+                f"    stage {r.stage} {r.peer_id[-8:]} {state:<8} {n_nodes:>4} nodes  {took:>12}  {ratios}"
+            )
+    return "\n".join(rows)

@@ -1,0 +1,161 @@
+"""The coordinator's work: plan a submitted job over the idle peers, publish the plan.
+
+Every peer that stands for election serves ``COORD_PROTOCOL``; only the lease holder
+plans (the others answer with who holds the lease). Planning traces the spec fake (no
+weights allocated; the same OP-DAG fingerprint on every peer), reads the live records,
+keeps the idle peers (a peer busy in a job is left out), adds the data owner's own record
+and links, runs OP-Fence (or the baseline asked for) and publishes the plan to the DHT,
+signed by this peer and stamped with its epoch. One job is planned at a time; a few more
+wait their turn, the rest are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from hivemind.utils import get_dht_time
+
+from fusionp2p.coordination.election import LeaseKeeper
+from fusionp2p.coordination.protocol import COORD_PROTOCOL, MAX_REQUEST_BYTES, JobReply, JobRequest
+from fusionp2p.data_owner import plan_job
+from fusionp2p.errors import ConfigError, LimitError, ProtocolError, RecordError
+from fusionp2p.net.directory import SwarmDirectory
+from fusionp2p.net.framing import FrameKind
+from fusionp2p.net.limits import StreamGate
+from fusionp2p.net.transport import FrameStream, Transport
+from fusionp2p.opdag.families import ModelRegistry
+from fusionp2p.opdag.trace import trace_spec
+from fusionp2p.planning import CostConfig, PlanningError, Topology
+from fusionp2p.training.job_spec import compression_policy
+
+__all__ = ["Coordinator"]
+
+logger = logging.getLogger(__name__)
+
+MAX_PLAN_PEERS = 16
+PLAN_TTL = 3600.0  # a plan's records live this long in the DHT
+_MAX_WAITING = 4
+
+
+class Coordinator:
+    """Plans jobs while ``keeper`` holds the lease. Start with ``await Coordinator(...).start()``."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        directory: SwarmDirectory,
+        keeper: LeaseKeeper,
+        registry: ModelRegistry,
+        *,
+        timeout: float = 60.0,
+        gate: StreamGate | None = None,
+    ) -> None:
+        self.transport = transport
+        self.directory = directory
+        self.keeper = keeper
+        self.registry = registry
+        self.timeout = timeout
+        self._gate = gate
+        self._lock = asyncio.Lock()
+        self._waiting = 0
+        self.planned: dict[str, JobReply] = {}  # job -> the reply it got, while this peer coordinates
+
+    async def start(self) -> Coordinator:
+        await self.transport.serve(COORD_PROTOCOL, self._serve, gate=self._gate)
+        return self
+
+    async def aclose(self) -> None:
+        await self.transport.stop_serving(COORD_PROTOCOL)
+
+    async def _serve(self, stream: FrameStream) -> None:
+        kind, body = await stream.recv(max_payload=MAX_REQUEST_BYTES, timeout=self.timeout)
+        if kind is not FrameKind.DATA:
+            raise ProtocolError(f"a job request is one DATA frame, got {kind.name}")
+        try:
+            request = JobRequest.from_json(body, sender=stream.remote)
+            reply = await self.submit(request)
+        except (ConfigError, PlanningError, LimitError, RecordError) as e:
+            logger.info("refused job from %s: %s", stream.remote[-8:], e)
+            await stream.send(FrameKind.ERROR, str(e).encode()[:2000], timeout=self.timeout)
+            await stream.finish(timeout=1.0)
+            return
+        await stream.send(FrameKind.DATA, reply.to_json(), timeout=self.timeout)
+
+    def _not_coordinator(self) -> str:
+        return f"peer {self.transport.peer_id[-8:]} does not hold the coordinator lease; ask the lease holder"
+
+    async def submit(self, request: JobRequest) -> JobReply:
+        """Plans ``request`` and publishes the plan; the reply names its epoch.
+
+        Raises:
+            LimitError: not the coordinator, or too many jobs waiting to be planned.
+            ConfigError: an unknown family or a bad config.
+            PlanningError: too few idle peers, or the model fits nowhere.
+        """
+        if not self.keeper.holds():
+            raise LimitError(self._not_coordinator())
+        if self._waiting >= _MAX_WAITING:
+            raise LimitError(f"{self._waiting} jobs are waiting to be planned; submit again later")
+        self._waiting += 1
+        try:
+            async with self._lock:
+                return await self._plan(request)
+        finally:
+            self._waiting -= 1
+
+    async def _plan(self, request: JobRequest) -> JobReply:
+        owner = request.owner.peer_id
+        traced = await asyncio.to_thread(trace_spec, request.spec, self.registry, fake=True)
+        live = await self.directory.fetch_peers()
+        idle = [p for pid, p in live.items() if p.state == "idle" and pid != owner]
+        idle = sorted(idle, key=lambda p: (-p.fp32_flops, p.peer_id))[:MAX_PLAN_PEERS]
+        if not idle:
+            raise PlanningError(f"no idle peer to run job {request.job} on ({len(live)} live, all busy)")
+        chosen = {p.peer_id for p in idle}
+        links = [lk for lk in await self.directory.fetch_links(sorted(chosen)) if lk.dst in chosen]
+        owner_links = [lk for lk in request.owner_links if lk.dst in chosen]
+        peers = (*idle, request.owner)
+        all_links = (*links, *owner_links)
+        topo = Topology.from_records(peers, all_links)
+        cost = CostConfig(
+            n_micro_batches=request.n_micro_batches, compression=compression_policy(request.compression)
+        )
+        plan = await asyncio.to_thread(plan_job, traced.dag, topo, owner, method=request.method, cost=cost)
+        if not plan.estimate.fits:
+            raise PlanningError(f"job {request.job}'s model fits in no split over the {len(idle)} idle peers")
+        if not self.keeper.holds():  # the lease ran out while planning: this plan must not count
+            raise LimitError(self._not_coordinator())
+        epoch = self.keeper.epoch
+        records = plan.to_records(
+            plan_id=request.job,
+            epoch=epoch,
+            made_by=self.transport.peer_id,
+            made_at=get_dht_time(),
+            data_owner=owner,
+        )
+        await self.directory.publish_plan(records, get_dht_time() + PLAN_TTL)
+        held = await self.directory.fetch_plans(request.job)
+        if len(held.get((epoch, self.transport.peer_id), [])) != len(records):
+            raise PlanningError(
+                f"the DHT did not keep job {request.job}'s plan (epoch {epoch}); submit again"
+            )
+        logger.info(
+            "planned job %s for %s (epoch %d): %d stage(s) on %d idle peer(s), %.3f s per iteration",
+            request.job,
+            owner[-8:],
+            epoch,
+            len(records),
+            len(idle),
+            plan.iteration_s,
+        )
+        reply = JobReply(
+            job=request.job,
+            epoch=epoch,
+            n_stages=len(records),
+            coordinator=self.transport.peer_id,
+            peers=peers,
+            links=all_links,
+        )
+        self.planned[request.job] = reply
+        return reply

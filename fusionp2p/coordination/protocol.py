@@ -1,0 +1,165 @@
+"""The coordinator protocol: a data owner submits a job, the coordinator plans it.
+
+Protocol ``/fusionp2p/coord/1``, one request per stream, data owner -> coordinator:
+
+    DATA(JobRequest JSON)  ->  DATA(JobReply JSON)    the plan is in the DHT
+                           ->  ERROR(one line)        not the coordinator, bad job, no fit
+
+The request names the job, the model spec, the batch geometry, the compression and the
+plan method, and carries the data owner's own PeerRecord and measured LinkRecords (wire
+bytes, hex): a data owner is not a published peer, and only it can measure its links.
+The coordinator takes them only if they speak for the stream's authenticated peer. The
+reply names the epoch and the records the plan was made from, so anyone can re-plan them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fusionp2p.config import load_json_object
+from fusionp2p.errors import ConfigError, RecordError
+from fusionp2p.opdag.spec import ModelSpec
+from fusionp2p.records import LinkRecord, PeerRecord
+
+__all__ = ["COORD_PROTOCOL", "MAX_REPLY_BYTES", "MAX_REQUEST_BYTES", "JobReply", "JobRequest"]
+
+COORD_PROTOCOL = "/fusionp2p/coord/1"
+MAX_REQUEST_BYTES = 256 << 10
+MAX_REPLY_BYTES = 4 << 20
+_MAX_OWNER_LINKS = 64
+_MAX_RECORDS = 4096
+_JOB_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+_HEX_RE = re.compile(r"^[0-9a-f]{2,8192}$")
+
+
+def _records(value: Any, kind: Any, what: str, limit: int) -> list[Any]:
+    if not isinstance(value, list) or len(value) > limit:
+        raise ConfigError(f"{what} must be a list of at most {limit} records")
+    out = []
+    for item in value:
+        if not isinstance(item, str) or not _HEX_RE.match(item):
+            raise ConfigError(f"{what} holds a value that is not a hex record")
+        try:
+            out.append(kind.from_wire(bytes.fromhex(item)))
+        except (RecordError, ValueError) as e:
+            raise ConfigError(f"{what} holds a malformed record: {e}") from e
+    return out
+
+
+def _int(body: dict[str, Any], key: str, low: int, high: int) -> int:
+    value = body.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ConfigError(f"job request {key} must be an integer in [{low}, {high}], got {value!r:.40}")
+    return value
+
+
+def _str(body: dict[str, Any], key: str, choices: Sequence[str] | None = None) -> str:
+    value = body.get(key)
+    if not isinstance(value, str) or len(value) > 128 or (choices is not None and value not in choices):
+        raise ConfigError(f"job request {key} is malformed: {value!r:.60}")
+    return value
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """What the coordinator plans a job from."""
+
+    VERSION = 1
+
+    job: str
+    spec: ModelSpec
+    n_micro_batches: int
+    compression: str  # "none" or "adaptive"
+    method: str  # a data_owner.PLAN_METHODS name
+    owner: PeerRecord  # the data owner, measured by itself
+    owner_links: tuple[LinkRecord, ...]  # its links to candidate peers
+
+    def to_json(self) -> bytes:
+        import json
+
+        return json.dumps(
+            {
+                "v": self.VERSION,
+                "job": self.job,
+                "spec": self.spec.to_dict(),
+                "n_micro_batches": self.n_micro_batches,
+                "compression": self.compression,
+                "method": self.method,
+                "owner": self.owner.to_wire().hex(),
+                "owner_links": [lk.to_wire().hex() for lk in self.owner_links],
+            }
+        ).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | bytearray, *, sender: str) -> JobRequest:
+        """Parses a request from ``sender`` (the stream's authenticated peer).
+
+        Raises:
+            ConfigError: malformed, oversized, or records that speak for someone else.
+        """
+        from fusionp2p.data_owner import PLAN_METHODS
+        from fusionp2p.training.job_spec import COMPRESSIONS
+
+        body = load_json_object(data, "job request", MAX_REQUEST_BYTES)
+        if body.get("v") != cls.VERSION:
+            raise ConfigError(
+                f"job request version {body.get('v')!r:.20}; this coordinator reads {cls.VERSION}"
+            )
+        job = _str(body, "job")
+        if not _JOB_RE.match(job):
+            raise ConfigError(f"job request names job {job!r:.60}: 1-64 letters, digits, '-' or '_'")
+        (owner,) = _records([body.get("owner")], PeerRecord, "job request owner", 1)
+        links = _records(body.get("owner_links"), LinkRecord, "job request owner_links", _MAX_OWNER_LINKS)
+        if owner.peer_id != sender or any(lk.src != sender for lk in links):
+            raise ConfigError("job request records must speak for the peer that sends them")
+        return cls(
+            job=job,
+            spec=ModelSpec.from_dict(body.get("spec")),
+            n_micro_batches=_int(body, "n_micro_batches", 1, 4096),
+            compression=_str(body, "compression", COMPRESSIONS),
+            method=_str(body, "method", PLAN_METHODS),
+            owner=owner,
+            owner_links=tuple(links),
+        )
+
+
+@dataclass(frozen=True)
+class JobReply:
+    """The coordinator's answer: the plan's epoch and stages, and what it was planned on."""
+
+    job: str
+    epoch: int
+    n_stages: int
+    coordinator: str
+    peers: tuple[PeerRecord, ...]  # the records the plan was made from, the data owner's included
+    links: tuple[LinkRecord, ...]
+
+    def to_json(self) -> bytes:
+        import json
+
+        return json.dumps(
+            {
+                "job": self.job,
+                "epoch": self.epoch,
+                "n_stages": self.n_stages,
+                "coordinator": self.coordinator,
+                "peers": [p.to_wire().hex() for p in self.peers],
+                "links": [lk.to_wire().hex() for lk in self.links],
+            }
+        ).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | bytearray) -> JobReply:
+        """Raises ConfigError on a malformed reply."""
+        body = load_json_object(data, "job reply", MAX_REPLY_BYTES)
+        return cls(
+            job=_str(body, "job"),
+            epoch=_int(body, "epoch", 1, 1 << 62),
+            n_stages=_int(body, "n_stages", 1, 4096),
+            coordinator=_str(body, "coordinator"),
+            peers=tuple(_records(body.get("peers"), PeerRecord, "job reply peers", _MAX_RECORDS)),
+            links=tuple(_records(body.get("links"), LinkRecord, "job reply links", _MAX_RECORDS)),
+        )

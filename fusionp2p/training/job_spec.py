@@ -1,0 +1,277 @@
+"""``JobSpec``: one training job's arguments, from a TOML file or Python.
+
+The data owner submits it (``fusionp2p train --config job.toml`` or ``Swarm.train``); the
+coordinator receives the part it plans from (``JobSpec.to_wire``: model, batch geometry,
+compression, plan method; never the data path). Every field is checked here, and a bad
+one is reported as one line naming it: ``job.toml: [train] micro_batch_size: ...``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from fusionp2p.config import OptimizerConfig
+from fusionp2p.errors import ConfigError
+from fusionp2p.opdag.spec import ModelSpec
+from fusionp2p.planning.cost import CompressionPolicy
+
+__all__ = ["COMPRESSIONS", "EXAMPLE_CONFIG", "JobSpec", "compression_policy"]
+
+COMPRESSIONS = ("none", "adaptive")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+_MAX_STEPS = 10_000_000
+
+EXAMPLE_CONFIG = """\
+# A fusionp2p training job: `fusionp2p train --config job.toml --initial-peers <multiaddr>`.
+# The data stays on this machine (the data owner); only activations and gradients leave it.
+
+name = "stdlib-gpt"            # job id: 1-64 letters, digits, '-' or '_'
+
+[model]
+family = "gpt2"                # gpt2, llama, mistral, qwen2, gpt_neox, or one the peers allow
+seed = 0                       # initial weights come from this seed
+
+[model.config]                 # the family's config keys (checked against its schema)
+vocab_size = 256               # the byte-level tokenizer needs >= 256
+n_positions = 64
+n_embd = 128
+n_layer = 4
+n_head = 4
+
+[data]
+path = ""                      # a text file or a directory of text; "" = the Python stdlib's source
+seq_len = 64                   # tokens per sample
+max_bytes = 4000000            # read at most this much text
+
+[train]
+steps = 50
+batch_size = 8                 # samples per optimizer step
+micro_batch_size = 2           # samples per pipelined micro-batch (must divide batch_size)
+optimizer = "adamw"            # adamw or sgd
+lr = 0.001
+weight_decay = 0.0
+compression = "none"           # "none", or "adaptive": Top-K per link, by its bandwidth
+plan_method = "op-fence"       # or a baseline: "equal-computation/none", ...
+checkpoint_every = 25          # steps between checkpoints (0: only the final weights)
+min_peers = 2                  # wait for this many idle peers before submitting
+wait_peers_s = 120             # how long to wait for them
+seed = 0                       # batch order
+
+[output]
+dir = "fusionp2p-runs"         # metrics.jsonl, checkpoints, final weights go to <dir>/<name>
+"""
+
+# (section, key) of every TOML entry -> the JobSpec field it sets
+_TOML_FIELDS: dict[tuple[str, str], str] = {
+    ("", "name"): "name",
+    ("model", "family"): "family",
+    ("model", "seed"): "model_seed",
+    ("model", "config"): "model_config",
+    ("data", "path"): "data_path",
+    ("data", "seq_len"): "seq_len",
+    ("data", "max_bytes"): "max_bytes",
+    ("train", "steps"): "steps",
+    ("train", "batch_size"): "batch_size",
+    ("train", "micro_batch_size"): "micro_batch_size",
+    ("train", "optimizer"): "optimizer",
+    ("train", "lr"): "lr",
+    ("train", "weight_decay"): "weight_decay",
+    ("train", "compression"): "compression",
+    ("train", "plan_method"): "plan_method",
+    ("train", "checkpoint_every"): "checkpoint_every",
+    ("train", "min_peers"): "min_peers",
+    ("train", "wait_peers_s"): "wait_peers_s",
+    ("train", "seed"): "data_seed",
+    ("output", "dir"): "out_dir",
+}
+_WHERE = {f: (f"[{s}] {k}" if s else k) for (s, k), f in _TOML_FIELDS.items()}
+
+
+def compression_policy(name: str) -> CompressionPolicy:
+    """The planner's policy for a job's ``compression`` ("none" or "adaptive").
+
+    Raises:
+        ConfigError: another name.
+    """
+    if name == "none":
+        return CompressionPolicy(kind="none")
+    if name == "adaptive":
+        return CompressionPolicy(kind="adaptive")
+    raise ConfigError(f"[train] compression: must be one of {list(COMPRESSIONS)}, got {name!r:.40}")
+
+
+def _default_model() -> dict[str, Any]:
+    return {"vocab_size": 256, "n_positions": 64, "n_embd": 128, "n_layer": 4, "n_head": 4}
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ConfigError(
+            f"{_WHERE.get(name, name)}: must be an integer in [{low}, {high}], got {value!r:.40}"
+        )
+
+
+def _check_float(name: str, value: Any, low: float, high: float) -> None:
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or not low <= value <= high
+    ):
+        raise ConfigError(
+            f"{_WHERE.get(name, name)}: must be a number in [{low:g}, {high:g}], got {value!r:.40}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """What to train, on which data, for how long, and where the results go."""
+
+    name: str = "job"
+    family: str = "gpt2"
+    model_config: dict[str, Any] = field(default_factory=_default_model)
+    model_seed: int = 0
+    data_path: str = ""  # text file or directory on the data owner; "" = the stdlib's source
+    seq_len: int = 64
+    max_bytes: int = 4_000_000
+    steps: int = 50
+    batch_size: int = 8
+    micro_batch_size: int = 2
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    compression: str = "none"
+    plan_method: str = "op-fence"
+    checkpoint_every: int = 25
+    min_peers: int = 1
+    wait_peers_s: float = 120.0
+    data_seed: int = 0
+    out_dir: str = "fusionp2p-runs"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+            raise ConfigError(f"name: must be 1-64 letters, digits, '-' or '_', got {self.name!r:.40}")
+        if not isinstance(self.family, str) or not 0 < len(self.family) <= 128:
+            raise ConfigError(f"[model] family: must name a model family, got {self.family!r:.40}")
+        if not isinstance(self.model_config, dict):
+            raise ConfigError("[model.config]: must be a table of the family's config keys")
+        _check_int("model_seed", self.model_seed, 0, (1 << 63) - 1)
+        if not isinstance(self.data_path, str):
+            raise ConfigError(f"[data] path: must be a string, got {self.data_path!r:.40}")
+        _check_int("seq_len", self.seq_len, 2, 1 << 16)
+        _check_int("max_bytes", self.max_bytes, 1 << 10, 1 << 34)
+        _check_int("steps", self.steps, 1, _MAX_STEPS)
+        _check_int("batch_size", self.batch_size, 1, 1 << 16)
+        _check_int("micro_batch_size", self.micro_batch_size, 1, 1 << 16)
+        if self.batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"[train] micro_batch_size: {self.micro_batch_size} must divide batch_size {self.batch_size}"
+            )
+        if self.n_micro_batches > 4096:
+            raise ConfigError(f"[train] batch_size: more than 4096 micro-batches ({self.n_micro_batches})")
+        _check_float("lr", self.lr, 1e-12, 10.0)
+        _check_float("weight_decay", self.weight_decay, 0.0, 10.0)
+        if self.compression not in COMPRESSIONS:
+            raise ConfigError(
+                f"[train] compression: must be one of {list(COMPRESSIONS)}, got {self.compression!r:.40}"
+            )
+        from fusionp2p.data_owner import PLAN_METHODS
+
+        if self.plan_method not in PLAN_METHODS:
+            raise ConfigError(
+                f"[train] plan_method: must be one of {list(PLAN_METHODS)}, got {self.plan_method!r:.40}"
+            )
+        _check_int("checkpoint_every", self.checkpoint_every, 0, _MAX_STEPS)
+        _check_int("min_peers", self.min_peers, 1, 64)
+        _check_float("wait_peers_s", self.wait_peers_s, 0.0, 86400.0)
+        _check_int("data_seed", self.data_seed, 0, (1 << 63) - 1)
+        if not isinstance(self.out_dir, str) or not self.out_dir:
+            raise ConfigError(f"[output] dir: must be a directory path, got {self.out_dir!r:.40}")
+        try:
+            OptimizerConfig(name=self.optimizer, lr=self.lr, weight_decay=self.weight_decay)
+        except ConfigError as e:
+            raise ConfigError(f"[train] optimizer: {e}") from e
+
+    @property
+    def n_micro_batches(self) -> int:
+        return self.batch_size // self.micro_batch_size
+
+    @property
+    def optimizer_config(self) -> OptimizerConfig:
+        return OptimizerConfig(name=self.optimizer, lr=self.lr, weight_decay=self.weight_decay)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out_dir) / self.name
+
+    def model_spec(self) -> ModelSpec:
+        """The model every stage builds: one micro-batch of ``seq_len`` token ids as input."""
+        return ModelSpec(
+            self.family,
+            dict(self.model_config),
+            input_shape=(self.micro_batch_size, self.seq_len),
+            input_dtype="int64",
+            seed=self.model_seed,
+        )
+
+    def with_(self, **changes: Any) -> JobSpec:
+        return replace(self, **changes)
+
+    @classmethod
+    def from_toml(cls, text: str, *, source: str = "job.toml") -> JobSpec:
+        """Parses a job file (see ``EXAMPLE_CONFIG``).
+
+        Raises:
+            ConfigError: not TOML, an unknown section or key, or a bad value; the message
+                is one line starting with ``source`` and naming the field.
+        """
+        import tomllib
+
+        try:
+            body = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{source}: not valid TOML: {e}") from e
+        values: dict[str, Any] = {}
+        try:
+            for section, content in body.items():
+                if not isinstance(content, dict):
+                    cls._take(values, "", section, content)
+                    continue
+                for key, value in content.items():
+                    if section == "model" and key == "config" and not isinstance(value, dict):
+                        raise ConfigError("[model] config: must be a table")
+                    cls._take(values, section, key, value)
+            return cls(**values)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from e
+        except TypeError as e:  # a value of a type the dataclass cannot take
+            raise ConfigError(f"{source}: {e}") from e
+
+    @staticmethod
+    def _take(values: dict[str, Any], section: str, key: str, value: Any) -> None:
+        name = _TOML_FIELDS.get((section, key))
+        if name is None:
+            where = f"[{section}] {key}" if section else key
+            known = sorted(f"[{s}] {k}" if s else k for s, k in _TOML_FIELDS)
+            raise ConfigError(f"{where}: unknown key (known: {', '.join(known)})")
+        values[name] = value
+
+    @classmethod
+    def load(cls, path: str | Path) -> JobSpec:
+        """``from_toml`` of a file.
+
+        Raises:
+            ConfigError: the file cannot be read, or ``from_toml`` refuses it.
+        """
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the job file: {e.strerror or e}") from e
+        return cls.from_toml(text, source=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

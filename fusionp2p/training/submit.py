@@ -1,0 +1,137 @@
+"""A data owner submits a job: wait for peers, find the coordinator, get the signed plan.
+
+The data owner measures itself and its links to the idle peers (only it can), sends the
+coordinator a ``JobRequest``, and on success reads the plan back from the DHT: it counts
+only if the lease holder signed it in the epoch in force. The plan is rebuilt here over
+the records the coordinator planned on (the reply carries them), so its estimate is the
+coordinator's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+
+from hivemind.utils import get_dht_time
+
+from fusionp2p.coordination.election import find_coordinator, lease_in_force
+from fusionp2p.coordination.protocol import COORD_PROTOCOL, MAX_REPLY_BYTES, JobReply, JobRequest
+from fusionp2p.data_owner import probe_from, self_record
+from fusionp2p.errors import ConfigError, CoordinatorError, SwarmError
+from fusionp2p.net.directory import SwarmDirectory
+from fusionp2p.net.framing import FrameKind
+from fusionp2p.net.transport import Transport
+from fusionp2p.opdag.families import ModelRegistry
+from fusionp2p.opdag.trace import TracedModel, trace_spec
+from fusionp2p.planning import CostConfig, Plan, Topology
+from fusionp2p.records import PeerRecord
+from fusionp2p.training.job_spec import JobSpec, compression_policy
+
+__all__ = ["SubmittedJob", "submit_job", "wait_for_peers"]
+
+logger = logging.getLogger(__name__)
+
+MAX_PROBED_PEERS = 16
+
+
+@dataclass(frozen=True)
+class SubmittedJob:
+    """A planned job: its run id, the coordinator's plan and what it was planned on."""
+
+    run_id: str  # the job's id on the wire: the JobSpec's name and a random suffix
+    plan: Plan
+    reply: JobReply
+    topology: Topology
+    traced: TracedModel  # the fake trace the plan was checked against
+
+    @property
+    def epoch(self) -> int:
+        return self.reply.epoch
+
+
+async def wait_for_peers(directory: SwarmDirectory, n: int, timeout: float) -> list[PeerRecord]:
+    """The idle peers once there are at least ``n`` (fastest first).
+
+    Raises:
+        SwarmError: fewer than ``n`` idle peers after ``timeout`` s; the message says how many.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        peers = await directory.fetch_peers()
+        idle = sorted((p for p in peers.values() if p.state == "idle"), key=lambda p: -p.fp32_flops)
+        if len(idle) >= n:
+            return idle
+        if loop.time() >= deadline:
+            raise SwarmError(
+                f"too few peers: the job needs {n} idle peer(s), the swarm has {len(idle)} "
+                f"({len(peers)} live) after {timeout:.0f} s"
+            )
+        await asyncio.sleep(1.0)
+
+
+async def submit_job(
+    transport: Transport,
+    directory: SwarmDirectory,
+    job: JobSpec,
+    *,
+    registry: ModelRegistry | None = None,
+    timeout: float = 120.0,
+) -> SubmittedJob:
+    """Submits ``job`` to the swarm's coordinator and returns the plan it published.
+
+    Raises:
+        ConfigError: the job's model family or config is refused here.
+        SwarmError: too few idle peers within the job's ``wait_peers_s``.
+        CoordinatorError: no coordinator, it refused the job (its reason is in the
+            message), or its plan is not in the DHT under the epoch in force.
+    """
+    spec = job.model_spec()
+    registry = registry or ModelRegistry.for_data_owner(spec.family)
+    traced = await asyncio.to_thread(trace_spec, spec, registry, fake=True)
+    peers = await wait_for_peers(directory, job.min_peers, job.wait_peers_s)
+    lease = await find_coordinator(directory, timeout=max(job.wait_peers_s, 1.0))
+    me = await asyncio.to_thread(self_record, transport.peer_id)
+    candidates = [p for p in peers if p.peer_id != transport.peer_id][:MAX_PROBED_PEERS]
+    links = await probe_from(transport, candidates)
+    run_id = f"{job.name[:56]}-{uuid.uuid4().hex[:6]}"
+    request = JobRequest(
+        job=run_id,
+        spec=spec,
+        n_micro_batches=job.n_micro_batches,
+        compression=job.compression,
+        method=job.plan_method,
+        owner=me,
+        owner_links=tuple(links),
+    )
+    holder = lease.holder
+    logger.info("submitting job %s to coordinator %s (epoch %d)", run_id, holder[-8:], lease.epoch)
+    if lease.maddrs:
+        await transport.connect(holder, lease.maddrs, timeout=timeout)
+    stream = await transport.open(holder, COORD_PROTOCOL, timeout=timeout)
+    try:
+        await stream.send(FrameKind.DATA, request.to_json(), timeout=timeout)
+        kind, body = await stream.recv(max_payload=MAX_REPLY_BYTES, timeout=timeout)
+    finally:
+        await stream.close()
+    if kind is FrameKind.ERROR:
+        reason = bytes(body).decode("utf-8", "replace")[:500]
+        raise CoordinatorError(f"the coordinator {holder[-8:]} refused job {job.name}: {reason}")
+    if kind is not FrameKind.DATA:
+        raise CoordinatorError(f"the coordinator {holder[-8:]} answered with a {kind.name} frame")
+    try:
+        reply = JobReply.from_json(body)
+    except ConfigError as e:
+        raise CoordinatorError(f"the coordinator {holder[-8:]} sent a malformed reply: {e}") from e
+    now_lease = lease_in_force(await directory.fetch_leases(), get_dht_time())
+    if now_lease is None or (now_lease.epoch, now_lease.holder) != (reply.epoch, reply.coordinator):
+        raise CoordinatorError(f"the coordinator changed while planning job {job.name}; submit it again")
+    records = (await directory.fetch_plans(run_id)).get((reply.epoch, reply.coordinator))
+    if not records:
+        raise CoordinatorError(f"job {run_id}'s plan (epoch {reply.epoch}) is not in the DHT")
+    topo = Topology.from_records(reply.peers, reply.links)
+    cost = CostConfig(n_micro_batches=job.n_micro_batches, compression=compression_policy(job.compression))
+    plan = Plan.from_records(records, traced.dag, topo, cost, method=job.plan_method)
+    return SubmittedJob(run_id, plan, reply, topo, traced)
