@@ -60,6 +60,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(EXAMPLE_CONFIG, end="")
         return 0
     job = _load_job(args)
+    from fusionp2p.training.trainer import preflight
+
+    preflight(job)
     if args.local < 0 or args.local > 16:
         raise ConfigError(f"--local takes 1-16 peers, got {args.local}")
     if not args.local and not args.initial_peers:

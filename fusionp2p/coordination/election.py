@@ -109,17 +109,16 @@ class LeaseKeeper:
 
     async def step(self) -> None:
         """One round: renew the lease if held, else claim it when it is free."""
-        leases = await self.leases()
-        now = get_dht_time()
-        current = lease_in_force(leases, now)
-        if self._held is not None:
+        if self._held is not None:  # renew first, then look: a slow read must not let it lapse
+            renewed = await self._write(self._held.epoch, self._held.granted_at)
+            current = lease_in_force([*await self.leases(), renewed], get_dht_time())
             if current is not None and current.holder != self.peer_id:
                 logger.info("coordinator lease lost to %s (epoch %d)", current.holder[-8:], current.epoch)
                 self._set(None)
-                return
-            self._set(await self._write(self._held.epoch, self._held.granted_at))
+            else:
+                self._set(renewed)
             return
-        if current is not None:
+        if lease_in_force(await self.leases(), get_dht_time()) is not None:
             return
         await asyncio.sleep(self._rng.uniform(0.0, 0.5 * self.lease_s))  # no stampede
         leases = await self.leases()
@@ -143,12 +142,17 @@ class LeaseKeeper:
 
     async def run(self) -> None:
         """Steps every third of a lease period until cancelled; DHT errors are retried."""
+        loop = asyncio.get_running_loop()
         while True:
+            began = loop.time()
             try:
                 await self.step()
             except (FusionP2PError, asyncio.TimeoutError, OSError) as e:
                 logger.warning("coordinator lease round failed, will retry: %s", e)
-            await asyncio.sleep(self.lease_s / 3)
+            took = loop.time() - began
+            if self._held is not None and took > self.lease_s / 3:
+                logger.warning("a lease round took %.1f s of a %.1f s lease", took, self.lease_s)
+            await asyncio.sleep(max(0.05, self.lease_s / 3 - took))
 
 
 async def find_coordinator(directory: SwarmDirectory, *, timeout: float, poll_s: float = 0.5) -> LeaseRecord:

@@ -44,6 +44,7 @@ _TOKEN_DEFAULTS: dict[str, dict[str, int | None]] = {
     "qwen2": {"bos_token_id": None, "eos_token_id": None},
     "gpt_neox": {"bos_token_id": 0, "eos_token_id": 2},
 }
+_GQA_TYPES = ("llama", "mistral", "qwen2")
 _DEFAULT_VOCAB = {"gpt2": 50257, "llama": 32000, "mistral": 32000, "qwen2": 151936, "gpt_neox": 50432}
 _NO_DROPOUT: dict[str, dict[str, float]] = {
     "gpt2": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
@@ -63,6 +64,8 @@ def causal_lm_factory(model_type: str) -> Callable[..., torch.nn.Module]:
         for key, default in _TOKEN_DEFAULTS.get(model_type, {}).items():
             if default is not None:
                 defaults[key] = min(default, vocab - 1)
+        if model_type in _GQA_TYPES and "num_attention_heads" in config:
+            defaults["num_key_value_heads"] = config["num_attention_heads"]  # not the family's 8 or 32
         hf_config = transformers.AutoConfig.for_model(model_type, **{**defaults, **config})
         return CausalLMWrapper(transformers.AutoModelForCausalLM.from_config(hf_config))
 

@@ -45,6 +45,7 @@ class SubmittedJob:
     reply: JobReply
     topology: Topology
     traced: TracedModel  # the fake trace the plan was checked against
+    data_owner: str  # this process's PeerID: the plan's data owner
 
     @property
     def epoch(self) -> int:
@@ -134,4 +135,4 @@ async def submit_job(
     topo = Topology.from_records(reply.peers, reply.links)
     cost = CostConfig(n_micro_batches=job.n_micro_batches, compression=compression_policy(job.compression))
     plan = Plan.from_records(records, traced.dag, topo, cost, method=job.plan_method)
-    return SubmittedJob(run_id, plan, reply, topo, traced)
+    return SubmittedJob(run_id, plan, reply, topo, traced, transport.peer_id)

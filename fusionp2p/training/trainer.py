@@ -31,7 +31,7 @@ from fusionp2p.training.submit import SubmittedJob
 if TYPE_CHECKING:
     from fusionp2p.swarm import Pipeline, Swarm
 
-__all__ = ["TrainResult", "describe_submitted", "save_weights", "train"]
+__all__ = ["TrainResult", "describe_submitted", "preflight", "save_weights", "train"]
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +132,20 @@ def _progress(total: int, enabled: bool) -> Any:
     return tqdm(total=total, unit="step", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
 
 
+def preflight(job: JobSpec, registry: ModelRegistry | None = None) -> None:
+    """Checks what can be checked before the swarm is contacted: the model family is known
+    here and its config valid, and the vocabulary holds the byte-level tokens.
+
+    Raises:
+        ConfigError: one line naming the field.
+    """
+    vocab = job.model_config.get("vocab_size", BYTE_VOCAB)
+    if not isinstance(vocab, int) or vocab < BYTE_VOCAB:
+        raise ConfigError(f"[model.config] vocab_size: byte-level tokens need >= {BYTE_VOCAB}, got {vocab}")
+    spec = job.model_spec()
+    spec.resolve(registry or ModelRegistry.for_data_owner(spec.family))
+
+
 def train(
     swarm: Swarm,
     job: JobSpec,
@@ -149,11 +163,7 @@ def train(
         CoordinatorError: no coordinator, or it refused or could not plan the job.
         ProtocolError / PeerUnreachableError: a stage refused its setup or failed.
     """
-    vocab = job.model_config.get("vocab_size", BYTE_VOCAB)
-    if not isinstance(vocab, int) or vocab < BYTE_VOCAB:
-        raise ConfigError(
-            f"[model.config] vocab_size: the byte-level tokenizer needs >= {BYTE_VOCAB}, got {vocab}"
-        )
+    preflight(job, registry)
     corpus = TextCorpus.load(job.data_path, seq_len=job.seq_len, max_bytes=job.max_bytes)
     out(f"data: {len(corpus.tokens) / 1e6:.1f} MB of text from {corpus.source} ({corpus.n_samples} samples)")
     submitted = swarm.submit(job, registry=registry)

@@ -1,0 +1,278 @@
+"""The swarm trains by itself: an elected coordinator plans jobs, stages follow only its plan.
+
+Real peer processes (``LocalSwarm``), a real DHT and libp2p streams. A data owner submits a
+``JobSpec``; the coordinator's published plan is OP-Fence on the records it planned from;
+with compression off the job's losses are those of one process training the same model on
+the same batches. A killed coordinator is replaced within three lease periods; a plan of an
+older epoch, or signed by a peer without the lease, is refused by the stages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import get_dht_time
+
+from fusionp2p.config import OptimizerConfig
+from fusionp2p.data_owner import plan_job
+from fusionp2p.errors import ProtocolError
+from fusionp2p.launch import LocalSwarm
+from fusionp2p.net.dht_node import start_dht
+from fusionp2p.net.directory import SwarmDirectory
+from fusionp2p.net.identity import ensure_identity, load_signing_key
+from fusionp2p.opdag.families import ModelRegistry
+from fusionp2p.planning import CompressionPolicy, CostConfig, Topology
+from fusionp2p.records import LeaseRecord
+from fusionp2p.runtime.losses import lm_loss
+from fusionp2p.swarm import Swarm
+from fusionp2p.training.corpus import TextCorpus
+from fusionp2p.training.job_spec import JobSpec
+
+LEASE_S = 5.0
+PEER_ARGS = ["--heartbeat", "1", "--record-ttl", "5", "--probe-period", "2", "--lease-seconds", str(LEASE_S)]
+GPT = {"vocab_size": 256, "n_positions": 32, "n_embd": 32, "n_layer": 2, "n_head": 2}
+
+
+def _job(tmp: Path, **changes: object) -> JobSpec:
+    base = JobSpec(
+        name="tiny-gpt",
+        model_config=dict(GPT),
+        seq_len=32,
+        max_bytes=200_000,
+        batch_size=4,
+        micro_batch_size=2,
+        lr=3e-3,
+        steps=3,
+        checkpoint_every=0,
+        min_peers=3,
+        wait_peers_s=30.0,
+        out_dir=str(tmp),
+    )
+    return base.with_(**changes)
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
+    workdir = str(tmp_path_factory.mktemp("coord"))
+    with LocalSwarm(4, swarm="coord", workdir=workdir, peer_args=[PEER_ARGS] * 4) as swarm:
+        yield swarm
+
+
+@pytest.fixture(scope="module")
+def client(local: LocalSwarm) -> Iterator[Swarm]:
+    with Swarm(local.initial_peers, swarm=local.swarm) as swarm:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            idle = [p for p in swarm.peers() if p.state == "idle"]
+            if len(idle) == len(local.peers) and swarm.coordinator() is not None:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("the peers did not join or elect a coordinator")
+        yield swarm
+
+
+def _reference_losses(job: JobSpec) -> list[float]:
+    """The same job trained in this one process."""
+    spec = job.model_spec()
+    model = spec.build(ModelRegistry())
+    opt_cfg = job.optimizer_config
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=opt_cfg.lr,
+        betas=opt_cfg.betas,
+        eps=opt_cfg.eps,
+        weight_decay=opt_cfg.weight_decay,
+    )
+    corpus = TextCorpus.load(job.data_path, seq_len=job.seq_len, max_bytes=job.max_bytes)
+    batches = corpus.batches(job.micro_batch_size, job.n_micro_batches, seed=job.data_seed)
+    losses = []
+    for _ in range(job.steps):
+        opt.zero_grad()
+        values = []
+        for x, y in next(batches):
+            loss = lm_loss([model(x)], y)
+            values.append(loss.item())
+            (loss / job.n_micro_batches).backward()
+        opt.step()
+        losses.append(sum(values) / len(values))
+    return losses
+
+
+def test_a_job_is_planned_by_the_coordinator_and_trains_like_one_process(
+    client: Swarm, local: LocalSwarm, tmp_path: Path
+) -> None:
+    job = _job(tmp_path, steps=50, min_peers=4, checkpoint_every=25)
+    result = client.train(job, progress=False, out=lambda *_: None)
+    losses = result.losses
+    assert len(losses) == 50
+    assert statistics.mean(losses[-10:]) < statistics.mean(losses[:10]) - 0.5, losses
+
+    submitted = result.submitted
+    lease = client.coordinator()
+    assert lease is not None and (lease.holder, lease.epoch) == (submitted.reply.coordinator, submitted.epoch)
+    records = client.jobs()[(submitted.run_id, submitted.epoch, lease.holder)]
+    assert all(r.data_owner == submitted.data_owner and r.made_by == lease.holder for r in records)
+    # the published plan is OP-Fence's on the records the coordinator planned from
+    topo = Topology.from_records(submitted.reply.peers, submitted.reply.links)
+    cost = CostConfig(n_micro_batches=job.n_micro_batches, compression=CompressionPolicy(kind="none"))
+    expected = plan_job(submitted.traced.dag, topo, submitted.data_owner, method="op-fence", cost=cost)
+    assert submitted.plan.peer_ids == expected.peer_ids
+    assert [s.nodes for s in submitted.plan.stages] == [s.nodes for s in expected.stages]
+    assert {p.peer_id for p in submitted.reply.peers} == {p.peer_id for p in local.peers} | {
+        submitted.data_owner
+    }
+    # no compression: exactly the single-process trajectory, up to float rounding
+    assert losses == pytest.approx(_reference_losses(job), rel=2e-4, abs=2e-4)
+    # what a user gets on disk
+    rows = (result.run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 50 and '"loss"' in rows[0]
+    assert (result.run_dir / "checkpoint-000025.safetensors").is_file() and result.weights.is_file()
+    assert result.pretrained is not None and (result.pretrained / "config.json").is_file()
+    assert len(result.stage_seconds) == 1 + len(set(submitted.plan.peer_ids))
+
+
+def _forger_publishes(local: LocalSwarm, records_of: object, tmp: Path) -> str:
+    """A peer that does not hold the lease signs and publishes a plan; returns its PeerID."""
+    identity = str(tmp / "forger.key")
+    forger = ensure_identity(identity).to_base58()
+    key = load_signing_key(identity)
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    dht = start_dht(initial_peers=local.initial_peers, identity_path=identity, signing_key=key)
+    try:
+        directory = SwarmDirectory(dht, local.swarm, owner_marker=RSASignatureValidator(key).local_public_key)
+        records = records_of(forger)  # type: ignore[operator]
+        stored = loop.run_until_complete(directory.publish_plan(records, get_dht_time() + 60))
+        assert stored == len(records)
+    finally:
+        dht.shutdown()
+        loop.close()
+        asyncio.set_event_loop(None)
+    return forger
+
+
+def test_a_plan_not_signed_by_the_lease_holder_is_refused(
+    client: Swarm, local: LocalSwarm, tmp_path: Path
+) -> None:
+    job = _job(tmp_path)
+    submitted = client.submit(job)
+    lease = client.coordinator()
+    assert lease is not None
+    forged_job = f"{submitted.run_id}-forged"
+
+    def records_of(forger: str) -> list:
+        return submitted.plan.to_records(
+            plan_id=forged_job,
+            epoch=lease.epoch,
+            made_by=forger,
+            made_at=get_dht_time(),
+            data_owner=submitted.data_owner,
+        )
+
+    forger = _forger_publishes(local, records_of, tmp_path)
+    assert (forged_job, lease.epoch, forger) in client.jobs()  # it is in the DHT, properly signed
+    with pytest.raises(ProtocolError, match="published no complete plan"):
+        client.pipeline(job.model_spec(), plan=submitted.plan, epoch=lease.epoch, job=forged_job)
+    # the coordinator's own plan of the same job is taken
+    with client.pipeline(
+        job.model_spec(), plan=submitted.plan, epoch=submitted.epoch, job=submitted.run_id
+    ) as p:
+        assert len(p.run_iteration(next(_batches(job)))) == job.n_micro_batches
+
+
+def _batches(job: JobSpec) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    corpus = TextCorpus.load(job.data_path, seq_len=job.seq_len, max_bytes=job.max_bytes)
+    return corpus.batches(job.micro_batch_size, job.n_micro_batches, seed=0)
+
+
+def _wait_new_lease(client: Swarm, old: LeaseRecord, timeout: float) -> tuple[LeaseRecord, float]:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        lease = client.coordinator()
+        if lease is not None and lease.holder != old.holder and lease.epoch > old.epoch:
+            return lease, time.monotonic() - start
+        time.sleep(0.2)
+    pytest.fail(f"no new coordinator within {timeout:.0f} s of killing {old.holder[-8:]}")
+
+
+def test_a_killed_coordinator_is_replaced_and_its_epoch_is_over(
+    client: Swarm, local: LocalSwarm, tmp_path: Path
+) -> None:
+    job = _job(tmp_path)
+    old_plan = client.submit(job)
+    old = client.coordinator()
+    assert old is not None and old.epoch == old_plan.epoch
+    index = next(i for i, p in enumerate(local.peers) if p.peer_id == old.holder)
+    killed_at = time.monotonic()
+    local.signal(index, signal.SIGKILL)
+    new, _ = _wait_new_lease(client, old, timeout=30)
+    took = time.monotonic() - killed_at
+    assert took <= 3 * LEASE_S + 2.0, f"re-elected after {took:.1f} s"  # 3 lease periods + DHT reads
+    assert new.epoch == old.epoch + 1
+    # every stage ignores a plan of the old epoch, though its signer held the lease then
+    submitted = client.submit(job.with_(min_peers=2))
+    assert submitted.epoch == new.epoch and submitted.reply.coordinator == new.holder
+    with pytest.raises(ProtocolError, match=f"epoch {old.epoch}, the coordinator's is {new.epoch}"):
+        client.pipeline(job.model_spec(), plan=submitted.plan, epoch=old.epoch, job=submitted.run_id)
+    # and a job submitted now runs
+    result = client.train(job.with_(min_peers=2, name="after-failover"), progress=False, out=lambda *_: None)
+    assert len(result.losses) == job.steps and result.submitted.epoch == new.epoch
+
+
+def _train_cli(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fusionp2p", "--log-level", "error", "train", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _p2pd_pids() -> set[int]:
+    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "p2pd"}
+
+
+@pytest.mark.parametrize(
+    ("toml", "says"),
+    [
+        ('name = "x"\n[train]\nmicro_batch_size = 3\nbatch_size = 8\n', "[train] micro_batch_size"),
+        ('name = "x"\n[trian]\nsteps = 3\n', "[trian] steps: unknown key"),
+        ('name = "x"\n[model]\nfamily = "gpt9"\n', "model family 'gpt9' is not served"),
+        ('name = "x"\n[model.config]\nn_layer = 100000\n', "n_layer"),
+        (
+            'name = "x"\n[train]\nmin_peers = 9\nwait_peers_s = 2\n',
+            "too few peers: the job needs 9 idle peer(s)",
+        ),
+        ("name = [1,\n", "not valid TOML"),
+    ],
+)
+def test_train_cli_refuses_a_bad_job_in_one_line(client: Swarm, tmp_path: Path, toml: str, says: str) -> None:
+    config = tmp_path / "job.toml"
+    config.write_text(f'{toml}\n[output]\ndir = "{tmp_path}"\n')
+    before = _p2pd_pids()
+    done = _train_cli(["--config", str(config), "--initial-peers", *client.multiaddrs[:2], "--no-progress"])
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("fusionp2p train: error: "), done.stderr
+    assert says in lines[0]
+    assert _p2pd_pids() <= before  # nothing left running
+
+
+def test_train_cli_example_config_is_a_valid_job() -> None:
+    done = _train_cli(["--example-config"])
+    assert done.returncode == 0
+    job = JobSpec.from_toml(done.stdout)
+    assert job.family == "gpt2" and job.n_micro_batches == 4 and job.data_path == ""
+    assert OptimizerConfig(lr=job.lr) and job.compression == "none"

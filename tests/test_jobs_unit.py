@@ -1,0 +1,176 @@
+"""Units of the coordinator and job layer: the lease rules, job files, the corpus, requests."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+from hivemind.utils import get_dht_time
+
+from fusionp2p.coordination.election import LeaseKeeper, highest_epoch, lease_in_force
+from fusionp2p.coordination.protocol import JobReply, JobRequest
+from fusionp2p.errors import ConfigError
+from fusionp2p.opdag.families import ModelRegistry
+from fusionp2p.opdag.spec import ModelSpec
+from fusionp2p.opdag.trace import trace_spec
+from fusionp2p.records import LeaseRecord, LinkRecord, PeerRecord
+from fusionp2p.training.corpus import TextCorpus
+from fusionp2p.training.job_spec import EXAMPLE_CONFIG, JobSpec
+
+A, B, C = (
+    "QmAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA",
+    "QmBBBBBBBBBBBBBBBBBBBBBBBBBB",
+    "QmCCCCCCCCCCCCCCCCCCCCCC",
+)
+
+
+def _lease(holder: str, epoch: int, valid_until: float) -> LeaseRecord:
+    return LeaseRecord(holder=holder, epoch=epoch, granted_at=0.0, valid_until=valid_until)
+
+
+def test_the_lease_in_force_is_the_valid_one_of_the_highest_epoch() -> None:
+    leases = [_lease(A, 3, 100.0), _lease(B, 4, 50.0), _lease(C, 2, 200.0)]
+    assert lease_in_force(leases, 10.0).holder == B  # epoch 4 wins while valid
+    assert lease_in_force(leases, 60.0).holder == A  # then epoch 3: an older epoch still valid
+    assert lease_in_force(leases, 300.0) is None
+    assert highest_epoch(leases) == 4
+    tie = [_lease(B, 5, 100.0), _lease(A, 5, 100.0)]
+    assert lease_in_force(tie, 0.0).holder == min(A, B)  # two claims of one epoch: one winner everywhere
+
+
+class _Directory:
+    """The lease part of a SwarmDirectory, in memory: each holder writes its own subkey."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, LeaseRecord] = {}
+
+    async def publish_lease(self, record: LeaseRecord, expiration: float) -> bool:
+        self.entries[record.holder] = record
+        return True
+
+    async def fetch_leases(self) -> list[LeaseRecord]:
+        return list(self.entries.values())
+
+
+def test_keepers_elect_one_coordinator_renew_it_and_replace_a_dead_one() -> None:
+    directory = _Directory()
+    keepers = [
+        LeaseKeeper(directory, peer, lease_s=0.4, rng=random.Random(i))  # type: ignore[arg-type]
+        for i, peer in enumerate((A, B, C))
+    ]
+
+    async def rounds(alive: list[LeaseKeeper], n: int) -> None:
+        for _ in range(n):
+            await asyncio.gather(*(k.step() for k in alive))
+            await asyncio.sleep(0.05)
+
+    async def run() -> None:
+        await rounds(keepers, 4)
+        holders = [k for k in keepers if k.holds()]
+        assert len(holders) == 1 and holders[0].epoch == 1
+        first = holders[0]
+        await rounds(keepers, 10)  # renewals keep it: still one holder, same epoch
+        assert [k for k in keepers if k.holds()] == [first] and first.epoch == 1
+        rest = [k for k in keepers if k is not first]  # the holder dies: it stops renewing
+        await asyncio.sleep(0.45)
+        await rounds(rest, 6)
+        new = [k for k in rest if k.holds()]
+        assert len(new) == 1 and new[0].epoch == 2
+        current = lease_in_force(await directory.fetch_leases(), get_dht_time())
+        assert current is not None and current.holder == new[0].peer_id
+        await new[0].release()  # leaving hands the lease over at once
+        assert lease_in_force(await directory.fetch_leases(), get_dht_time()) is None
+
+    asyncio.run(run())
+
+
+def test_a_job_file_names_the_bad_field_in_one_line() -> None:
+    job = JobSpec.from_toml(EXAMPLE_CONFIG)
+    assert job.name == "stdlib-gpt" and job.n_micro_batches == 4 and job.model_spec().input_shape == (2, 64)
+    cases = {
+        "[train]\nmicro_batch_size = 3\n": "job.toml: [train] micro_batch_size: 3 must divide batch_size 8",
+        "[train]\nlr = -1.0\n": "job.toml: [train] lr: must be a number",
+        "[train]\ncompression = 'zip'\n": "job.toml: [train] compression: must be one of",
+        "[data]\nseq_len = 'long'\n": "job.toml: [data] seq_len: must be an integer",
+        "colour = 'red'\n": "job.toml: colour: unknown key",
+        "[model]\nconfig = 3\n": "job.toml: [model] config: must be a table",
+        "name = 'a b'\n": "job.toml: name: must be 1-64 letters",
+        "[train]\nplan_method = 'random'\n": "job.toml: [train] plan_method: must be one of",
+    }
+    for text, message in cases.items():
+        with pytest.raises(ConfigError) as refused:
+            JobSpec.from_toml(text)
+        assert str(refused.value).startswith(message) and "\n" not in str(refused.value), text
+
+
+def test_the_corpus_cuts_byte_tokens_into_seeded_batches(tmp_path) -> None:
+    (tmp_path / "a.txt").write_text("hello world " * 200)
+    corpus = TextCorpus.load(str(tmp_path), seq_len=16, max_bytes=1000)
+    assert len(corpus.tokens) == 1000 and corpus.n_samples == 62
+    first = next(corpus.batches(2, 3, seed=1))
+    again = next(corpus.batches(2, 3, seed=1))
+    assert len(first) == 3 and all(x.shape == (2, 16) and x.dtype == torch.int64 for x, _ in first)
+    assert all(torch.equal(x, y) and torch.equal(x, x2) for (x, y), (x2, _) in zip(first, again, strict=True))
+    assert bytes(first[0][0][0].tolist()).decode() in ("hello world " * 3)
+    with pytest.raises(ConfigError, match="does not exist"):
+        TextCorpus.load(str(tmp_path / "nope"), seq_len=16, max_bytes=1000)
+    stdlib = TextCorpus.load("", seq_len=64, max_bytes=50_000)  # the default: Python's own source
+    assert "python3" in stdlib.source and len(stdlib.tokens) == 50_000
+
+
+def _peer(peer_id: str) -> PeerRecord:
+    return PeerRecord(
+        peer_id=peer_id,
+        maddrs=(),
+        device="cpu",
+        device_name="cpu",
+        flops={"float32": 1e10},
+        memory_bytes=1 << 30,
+        total_memory_bytes=1 << 31,
+        state="training",
+        started_at=0.0,
+        updated_at=0.0,
+    )
+
+
+def test_a_job_request_speaks_only_for_its_sender() -> None:
+    spec = ModelSpec("gpt2", {"n_layer": 1, "n_embd": 8, "n_head": 2, "vocab_size": 256}, input_shape=(1, 8))
+    link = LinkRecord(src=A, dst=B, bandwidth_bps=1e6, rtt_s=0.01, measured_at=0.0)
+    request = JobRequest("job-1", spec, 2, "none", "op-fence", _peer(A), (link,))
+    back = JobRequest.from_json(request.to_json(), sender=A)
+    assert back == request
+    with pytest.raises(ConfigError, match="speak for the peer that sends them"):
+        JobRequest.from_json(request.to_json(), sender=B)
+    bad = request.to_json().replace(b'"op-fence"', b'"random"')
+    with pytest.raises(ConfigError, match="method"):
+        JobRequest.from_json(bad, sender=A)
+    reply = JobReply("job-1", 3, 2, B, (_peer(A),), (link,))
+    assert JobReply.from_json(reply.to_json()) == reply
+
+
+@pytest.mark.parametrize(
+    ("family", "config"),
+    [
+        (
+            "mistral",
+            {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4},
+        ),
+        (
+            "qwen2",
+            {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_key_value_heads": 2},
+        ),
+        ("gpt_neox", {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "rotary_pct": 0.5}),
+    ],
+)
+def test_more_transformers_families_build_and_trace_the_same_graph_fake(family: str, config: dict) -> None:
+    config = {"vocab_size": 256, "max_position_embeddings": 64, "num_attention_heads": 4, **config}
+    config["intermediate_size"] = 64
+    spec = ModelSpec(family, config, input_shape=(2, 8))
+    registry = ModelRegistry()
+    real, fake = trace_spec(spec, registry), trace_spec(spec, registry, fake=True)
+    assert real.dag.fingerprint == fake.dag.fingerprint and len(real.dag) > 20
+    assert real.dag.fingerprint.startswith(f"{family}@")
+    with pytest.raises(ConfigError, match="no config key"):
+        registry.resolve(family).validate({**config, "trust_remote_code": True})
