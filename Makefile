@@ -1,5 +1,6 @@
 # Two commands do all the set-up themselves on a fresh machine (Python 3.11, CPU only):
-#   make demo   a local swarm of peer processes trains a CNN on the digits, split across them
+#   make demo   a local swarm of 4 peers elects a coordinator, which plans a small GPT that the
+#               data owner then trains on the Python stdlib's source (make demo-digits: a CNN)
 #   make test   lint + the whole test suite
 # The venv is built on first use; constraints.txt keeps pip on the CPU build of torch.
 
@@ -7,7 +8,7 @@ PYTHON ?= python3
 VENV ?= .venv
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint clean
+.PHONY: demo demo-digits test lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +17,9 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
+	$(VENV)/bin/fusionp2p --log-level warning train --local 4 --config demos/stdlib_gpt.toml
+
+demo-digits: $(STAMP)
 	$(VENV)/bin/python demos/digits_cnn.py
 
 lint: $(STAMP)

@@ -122,7 +122,9 @@ def format_jobs(
                 f"{peer.stage_s:.2f} s/step" if peer is not None and peer.job == job and peer.stage_s else "-"
             )
             n_nodes = sum(e - s for s, e in zip(r.node_ranges[::2], r.node_ranges[1::2], strict=True))
-            ratios = ", ".join(f"->{b}: {v:.0f}x" for b, v in sorted(r.links_to.items())) or "dense"
+            ratios = ", ".join(
+                f"->{b} " + ("dense" if v <= 1 else f"Top-K 1/{v:.0f}") for b, v in sorted(r.links_to.items())
+            )
             rows.append(
                 f"    stage {r.stage} {r.peer_id[-8:]} {state:<8} {n_nodes:>4} nodes  {took:>12}  {ratios}"
             )

@@ -26,7 +26,7 @@ from hivemind.utils import get_dht_time
 
 from fusionp2p.config import OptimizerConfig
 from fusionp2p.data_owner import plan_job
-from fusionp2p.errors import ProtocolError
+from fusionp2p.errors import ProtocolError, SwarmError
 from fusionp2p.launch import LocalSwarm
 from fusionp2p.net.dht_node import start_dht
 from fusionp2p.net.directory import SwarmDirectory
@@ -190,6 +190,19 @@ def test_a_plan_not_signed_by_the_lease_holder_is_refused(
         job.model_spec(), plan=submitted.plan, epoch=submitted.epoch, job=submitted.run_id
     ) as p:
         assert len(p.run_iteration(next(_batches(job)))) == job.n_micro_batches
+        # its peers are busy now: marked so in their records, and left out of another job's plan
+        busy = {peer.peer_id for peer in p.peers}
+        deadline = time.monotonic() + 15
+        while {peer.peer_id for peer in client.peers() if peer.state == "training"} != busy:
+            assert time.monotonic() < deadline, "the busy peers never said so"
+            time.sleep(0.3)
+        second = job.with_(name="second", min_peers=1, wait_peers_s=3.0)
+        if len(busy) < len(local.peers):
+            other = client.submit(second)
+            assert other.plan.peer_ids and not busy & set(other.plan.peer_ids)
+        else:  # the plan took every peer: none is left for another job
+            with pytest.raises(SwarmError, match="too few peers"):
+                client.submit(second)
 
 
 def _batches(job: JobSpec) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:

@@ -149,7 +149,11 @@ GPT2_FAMILY = _family(
     (_divides("n_embd", "n_head", default_width=768),),
 )
 
-LLAMA_FAMILY = _family("llama", {**_DECODER, "attention_bias": BOOL_FIELD, "mlp_bias": BOOL_FIELD}, (_gqa,))
+LLAMA_FAMILY = _family(
+    "llama",
+    {**_DECODER, "attention_bias": BOOL_FIELD, "mlp_bias": BOOL_FIELD, "pretraining_tp": int_field(1, 64)},
+    (_gqa,),
+)
 
 MISTRAL_FAMILY = _family(
     "mistral", {**_DECODER, "sliding_window": int_field(1, 1 << 20, nullable=True)}, (_gqa,)

@@ -2,7 +2,7 @@
 
 Submits the job (the coordinator plans it), prints the plan, sets it up over the peers,
 then runs the steps on batches of its own text (which never leave this process) with a
-progress bar: loss, tokens/s, plan epoch, the slowest stage's compute per step. Every
+progress bar: loss, tokens/s, plan epoch, the slowest stage's peer and compute per step. Every
 step is a line of ``metrics.jsonl`` (and a TensorBoard scalar when tensorboard is
 installed); every ``checkpoint_every`` steps and at the end the weights are written as
 safetensors, and transformers families also get ``save_pretrained``.
@@ -54,11 +54,12 @@ def describe_submitted(submitted: SubmittedJob) -> str:
     """The plan as a user wants it: the coordinator, bandwidth clusters, stages, link ratios."""
     plan, topo = submitted.plan, submitted.topology
     names = {pid: pid[-8:] for pid in topo.peer_ids}
+    names[submitted.data_owner] += " (data owner)"
     clusters = [[names[topo.peer_ids[i]] for i in c] for c in cluster_peers(topo)]
     head = [
         f"coordinator {submitted.reply.coordinator[-8:]} (epoch {submitted.epoch}) planned job "
-        f"{submitted.run_id} with {plan.method} on {len(topo)} peers (this data owner included)",
-        f"bandwidth clusters: {' | '.join(', '.join(c) for c in clusters)}",
+        f"{submitted.run_id} with {plan.method} over {len(topo) - 1} idle peer(s)",
+        f"{len(clusters)} bandwidth cluster(s): {' | '.join(', '.join(c) for c in clusters)}",
     ]
     return "\n".join([*head, plan.describe(submitted.traced.dag)])
 
@@ -96,6 +97,9 @@ def _save_pretrained(job: JobSpec, params: dict[str, torch.Tensor], out: Path) -
     if missing:
         logger.warning("no save_pretrained: the fetched weights miss %s", missing[:3])
         return None
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     inner.save_pretrained(str(out))
     return out
 
@@ -185,6 +189,7 @@ def train(
         job=submitted.run_id,
     )
     stage_seconds: list[float] = []
+    owners = ["data owner", *(p.peer_id[-8:] for p in pipeline.peers)]  # by runtime stage
     try:
         bar = _progress(job.steps, progress)
         batches = corpus.batches(job.micro_batch_size, job.n_micro_batches, seed=job.data_seed)
@@ -195,6 +200,7 @@ def train(
             stage_seconds = pipeline.stage_seconds()
             losses.append(loss)
             slowest = max(range(len(stage_seconds)), key=stage_seconds.__getitem__) if stage_seconds else 0
+            who = owners[slowest] if slowest < len(owners) else "?"
             row = {
                 "step": step,
                 "loss": loss,
@@ -208,7 +214,7 @@ def train(
             metrics.write(row)
             bar.set_postfix_str(
                 f"loss {loss:.3f}, {row['tokens_per_s']:.0f} tok/s, epoch {submitted.epoch}, "
-                f"slowest stage {slowest} ({stage_seconds[slowest] if stage_seconds else 0:.2f} s)"
+                f"slowest {who} ({stage_seconds[slowest] if stage_seconds else 0:.2f} s)"
             )
             bar.update(1)
             if job.checkpoint_every and step % job.checkpoint_every == 0 and step < job.steps:
@@ -221,8 +227,11 @@ def train(
     weights = save_weights(params, run_dir / "weights.safetensors")
     pretrained = _save_pretrained(job, params, run_dir / "pretrained")
     seconds = time.perf_counter() - start
+    window = max(1, min(10, len(losses) // 2))
     out(
-        f"trained {job.steps} steps in {seconds:.1f} s: loss {losses[0]:.3f} -> {losses[-1]:.3f}; "
+        f"trained {job.steps} steps in {seconds:.1f} s: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
+        f"(mean of the first {window} steps {sum(losses[:window]) / window:.3f}, "
+        f"of the last {window} {sum(losses[-window:]) / window:.3f}); "
         f"weights in {weights}" + (f", save_pretrained in {pretrained}" if pretrained else "")
     )
     return TrainResult(
