@@ -273,7 +273,7 @@ def test_a_stage_too_large_for_max_memory_is_refused() -> None:
 
 
 _GOOD = {
-    "v": 2,
+    "v": 3,
     "job": "j1",
     "spec": {"family": "gpt2", "config": {}, "input_shape": [1, 4], "input_dtype": "int64", "seed": 0},
     "assignment": [[0, 3], [1, 2]],
@@ -288,6 +288,7 @@ _GOOD = {
     "in_flight": 2,
     "engine": "torch",
     "plan_version": 1,
+    "epoch": 0,
 }
 _WRONG = [None, True, -1, 2**70, 1.5, "x" * 300, [], [[]], {}, {"a": [1]}, "../../etc"]
 

@@ -30,6 +30,7 @@ def test_the_builtin_families_are_served_and_nothing_else() -> None:
             "llama",
             "mistral",
             "qwen2",
+            "resnet",
         ]
     )
     for name in ("os:system", "subprocess:run", "builtins:eval", "os.system", "../../etc"):

@@ -105,6 +105,17 @@ def test_a_user_model_trains_exactly_on_the_default_plan(swarm: Swarm) -> None:
     _exact(swarm, SKIPNET, plan, "classification")
 
 
+def test_a_resnet_trains_exactly_on_the_default_plan(swarm: Swarm) -> None:
+    spec = ModelSpec(
+        "resnet",
+        {"depth": 18, "num_classes": 5, "width": 8},
+        input_shape=(4, 3, 32, 32),
+        input_dtype="float32",
+    )
+    plan = swarm.plan(spec, n_micro_batches=N_MB)
+    _exact(swarm, spec, plan, "classification")
+
+
 def test_the_pipeline_estimate_counts_what_runs(swarm: Swarm) -> None:
     topology = swarm.topology()
     plan = swarm.plan(GPT2, method="equal-number/none", n_micro_batches=N_MB, topology=topology)

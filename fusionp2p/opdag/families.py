@@ -2,12 +2,13 @@
 
 A ``ModelSpec`` names a *family* and carries a config (JSON). A peer builds it only if
 the family is in its ``ModelRegistry``: the built-in families (the transformers causal
-LMs of ``lm_families.py``: ``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``gpt_neox``; and
-``digits-cnn``), factories its operator enabled with ``fusionp2p peer --allow-model
-package.module:factory``, and installed ``fusionp2p.models`` entry points. Nothing a
-peer receives is ever imported: an unknown family is refused with the flag that would
-enable it. Every config is validated against its family's schema: known keys only,
-each with a type and bounds, so a config cannot ask for what the family never offered.
+LMs of ``lm_families.py``: ``gpt2``, ``llama``, ``mistral``, ``qwen2``, ``gpt_neox``;
+``resnet`` of ``vision_families.py``; ``digits-cnn``), factories its operator enabled
+with ``fusionp2p peer --allow-model package.module:factory``, and installed
+``fusionp2p.models`` entry points. Nothing a peer receives is ever imported: an unknown
+family is refused with the flag that would enable it. Every config is validated against
+its family's schema: known keys only, each with a type and bounds, so a config cannot ask
+for what the family never offered.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from fusionp2p.errors import ConfigError
 from fusionp2p.opdag.lm_families import LM_FAMILIES
 from fusionp2p.opdag.schema import ConfigField, ModelFamily, UnknownModelError, int_field
+from fusionp2p.opdag.vision_families import RESNET_FAMILY
 
 __all__ = [
     "BUILTIN_FAMILIES",
@@ -65,7 +67,7 @@ DIGITS_FAMILY = ModelFamily(
     doc="a two-layer CNN for scikit-learn's 8x8 digits",
 )
 
-BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (*LM_FAMILIES, DIGITS_FAMILY)
+BUILTIN_FAMILIES: tuple[ModelFamily, ...] = (*LM_FAMILIES, DIGITS_FAMILY, RESNET_FAMILY)
 
 
 # -- the registry ---------------------------------------------------------------------------
