@@ -23,7 +23,7 @@ from pathlib import Path
 from fusionp2p import __version__
 from fusionp2p.cli_jobs import add_train_parser, cmd_train, format_jobs
 from fusionp2p.config import DEFAULT_SWARM, ExecLimits, PeerConfig, ProbeConfig, parse_bytes
-from fusionp2p.errors import FusionP2PError
+from fusionp2p.errors import ConfigError, FusionP2PError
 from fusionp2p.opdag.families import BUILTIN_FAMILIES
 from fusionp2p.records import LinkRecord, PeerRecord
 
@@ -50,8 +50,15 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fusionp2p", description=__doc__.splitlines()[0])
+DESCRIPTION = (
+    "fusionp2p: train one model on many peers' GPUs and CPUs over a libp2p swarm "
+    "(run a peer, observe a swarm, plan, or train a job as its data owner)"
+)
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The CLI's parser and, by name, each subcommand's own parser."""
+    parser = argparse.ArgumentParser(prog="fusionp2p", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"fusionp2p {__version__}")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -183,7 +190,7 @@ def _parser() -> argparse.ArgumentParser:
         default=120.0,
         help="give up if the swarm has not formed within this many seconds",
     )
-    return parser
+    return parser, dict(sub.choices)
 
 
 # -- peer ---------------------------------------------------------------------------------
@@ -343,10 +350,27 @@ def load_swarm_file(path: str) -> tuple[list[PeerRecord], list[LinkRecord]]:
     """
     try:
         doc = json.loads(Path(path).read_text())
-        peers = [PeerRecord.from_dict(p) for p in doc["peers"]]
-        links = [LinkRecord.from_dict(lk) for lk in doc.get("links", [])]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError) as e:
         raise FusionP2PError(f"cannot read swarm file {path}: {e}") from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("peers"), list):
+        raise FusionP2PError(
+            f"swarm file {path}: needs a 'peers' list (the output of `fusionp2p status --json`)"
+        )
+    if not isinstance(doc.get("links", []), list):
+        raise FusionP2PError(f"swarm file {path}: 'links' must be a list of link records")
+    records: list[tuple[str, int, dict]] = [("peers", i, p) for i, p in enumerate(doc["peers"])]
+    records += [("links", i, lk) for i, lk in enumerate(doc.get("links", []))]
+    peers, links = [], []
+    for field_name, i, body in records:
+        try:
+            if not isinstance(body, dict):
+                raise TypeError("not an object")
+            if field_name == "peers":
+                peers.append(PeerRecord.from_dict(body))
+            else:
+                links.append(LinkRecord.from_dict(body))
+        except (ValueError, KeyError, TypeError) as e:
+            raise FusionP2PError(f"swarm file {path}: {field_name}[{i}] is not a valid record: {e}") from e
     return peers, links
 
 
@@ -361,17 +385,33 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         op_fence,
     )
 
+    if args.png:
+        folder = Path(args.png).parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise ConfigError(f"--png: cannot write into {folder} (no such writable directory)")
     peers, links = load_swarm_file(args.swarm_file)
     try:
         overrides = json.loads(args.model_config)
     except ValueError as e:
-        raise FusionP2PError(f"--model-config is not JSON: {e}") from e
+        raise ConfigError(f"--model-config is not JSON: {e}") from e
+    if not isinstance(overrides, dict):
+        raise ConfigError("--model-config must be a JSON object of config keys")
     import transformers
 
     try:
+        known = set(transformers.AutoConfig.for_model(args.model).to_dict())
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"--model: unknown model type {args.model!r}") from e
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ConfigError(
+            f"--model-config: {args.model} has no config key {unknown[0]!r}; "
+            f"known keys: {', '.join(sorted(known))}"
+        )
+    try:
         hf_config = transformers.AutoConfig.for_model(args.model, **overrides)
     except (ValueError, TypeError) as e:
-        raise FusionP2PError(f"unknown model {args.model!r} or bad config: {e}") from e
+        raise ConfigError(f"--model-config: a bad value for {args.model}: {e}") from e
     shape = TransformerShape.from_hf_config(hf_config)
     dag = transformer_dag(
         shape, seq_len=args.seq_len, micro_batch=args.micro_batch, granularity=args.granularity
@@ -451,7 +491,10 @@ def _cmd_local(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fusionp2p`` console script."""
-    args = _parser().parse_args(argv)
+    parser, subcommands = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # name the subcommand whose options these are not, with its own usage
+        subcommands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,

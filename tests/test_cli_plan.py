@@ -81,6 +81,6 @@ def test_plan_reports_bad_input_clearly(tmp_path, capsys) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text('{"peers": [{"peer_id": "x"}]}')
     assert main(["plan", "--swarm-file", str(bad)]) == 1
-    assert "cannot read swarm file" in capsys.readouterr().err
+    assert "peers[0] is not a valid record" in capsys.readouterr().err
     assert main(["plan", "--swarm-file", str(tmp_path / "missing.json")]) == 1
     assert "cannot read swarm file" in capsys.readouterr().err
