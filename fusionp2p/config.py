@@ -82,6 +82,26 @@ def load_json_object(
     return body
 
 
+def check_peer_maddr(maddr: object, where: str) -> str:
+    """``maddr`` if it is a multiaddr that names a peer (``/ip4/1.2.3.4/tcp/31337/p2p/Qm...``).
+
+    Raises:
+        ConfigError: not a string, not a parseable multiaddr, or without a ``/p2p/`` PeerID.
+    """
+    from hivemind.utils.multiaddr import Multiaddr
+
+    example = "like /ip4/1.2.3.4/tcp/31337/p2p/Qm... (printed by `fusionp2p peer`)"
+    if not isinstance(maddr, str):
+        raise ConfigError(f"{where}: {maddr!r:.80} is not a peer multiaddr {example}")
+    try:
+        parsed = Multiaddr(maddr)
+    except Exception as e:  # the parser raises several kinds of errors
+        raise ConfigError(f"{where}: {maddr!r:.80} is not a peer multiaddr {example}: {e}") from None
+    if "p2p" not in [p.name for p in parsed.protocols()]:
+        raise ConfigError(f"{where}: {maddr!r:.80} names no peer (/p2p/<PeerID>); use a multiaddr {example}")
+    return maddr
+
+
 def parse_bytes(text: str) -> int:
     """``"512MiB"``, ``"4 GB"``, ``"1000000"`` -> bytes (KiB/MiB/GiB are powers of 1024).
 
@@ -234,6 +254,8 @@ class PeerConfig:
             raise ConfigError(
                 f"PeerConfig.swarm must be 1-64 letters, digits, '-' or '_', got {self.swarm!r}"
             )
+        for maddr in self.initial_peers:
+            check_peer_maddr(maddr, "--initial-peers")
         for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
             for maddr in getattr(self, name):
                 if not isinstance(maddr, str) or not maddr.startswith("/"):

@@ -23,7 +23,7 @@ import torch
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from fusionp2p.config import DEFAULT_SWARM, OptimizerConfig
+from fusionp2p.config import DEFAULT_SWARM, OptimizerConfig, check_peer_maddr
 from fusionp2p.coordination.election import lease_in_force
 from fusionp2p.data_owner import plan_job, probe_from, self_record
 from fusionp2p.errors import ConfigError, SwarmError
@@ -75,7 +75,7 @@ class Swarm:
             raise SwarmError(
                 "Swarm needs at least one initial peer multiaddr (printed by `fusionp2p peer` at start)"
             )
-        self.initial_peers = list(initial_peers)
+        self.initial_peers = [check_peer_maddr(m, "--initial-peers") for m in initial_peers]
         self.name = swarm
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

@@ -74,3 +74,16 @@ def test_a_swarm_file_of_the_wrong_shape_names_the_field(tmp_path: Path, doc: di
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(doc))
     assert says in _one_error_line(_cli("plan", "--swarm-file", str(path)), "plan")
+
+
+@pytest.mark.parametrize(
+    ("command", "maddr", "says"),
+    [
+        ("status", "garbage", "'garbage' is not a peer multiaddr"),
+        ("status", "/ip4/999.1.1.1/tcp/1/p2p/QmTzQ1JRkWErjk39mryYw2WVaphAZNAREyMchXzYQ7c15n", "is not IPv4"),
+        ("peer", "/ip4/127.0.0.1/tcp/1", "names no peer (/p2p/<PeerID>)"),
+    ],
+)
+def test_initial_peers_are_checked_before_anything_starts(command: str, maddr: str, says: str) -> None:
+    line = _one_error_line(_cli(command, "--initial-peers", maddr), command)
+    assert "--initial-peers: " in line and says in line
