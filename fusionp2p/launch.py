@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -144,7 +145,7 @@ class LocalSwarm:
             for peer in self.peers[1:]:
                 self._wait_ready(peer, deadline)
         except BaseException:
-            self.stop()
+            self.stop(keep_logs=True)
             raise
         return self
 
@@ -163,8 +164,10 @@ class LocalSwarm:
         with contextlib.suppress(ProcessLookupError):
             os.kill(peer.popen.pid, sig)
 
-    def stop(self, grace: float = 15.0) -> None:
-        """Ends every peer and every descendant still running; idempotent."""
+    def stop(self, grace: float = 15.0, *, keep_logs: bool = False) -> None:
+        """Ends every peer and every descendant still running, then removes the work
+        directory this swarm made itself (with ``keep_logs``, only the identity keys go:
+        the logs stay for a failure to be read); idempotent."""
         for peer in self.peers:
             peer.remember_descendants()
             if peer.popen.poll() is None:
@@ -185,12 +188,23 @@ class LocalSwarm:
                 logger.warning("ending leftover process %d (%s)", proc.pid, proc.name())
                 with contextlib.suppress(psutil.Error):
                     proc.kill()
+        self._clean_workdir(keep_logs)
+
+    def _clean_workdir(self, keep_logs: bool) -> None:
+        if not self._own_workdir or not self.workdir.exists():
+            return
+        if not keep_logs:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            return
+        for key in self.workdir.glob("*.key"):
+            key.unlink(missing_ok=True)
+        logger.warning("the peers' logs are kept in %s", self.workdir)
 
     def __enter__(self) -> LocalSwarm:
         return self.start()
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.stop(keep_logs=exc_type is not None)
 
 
 def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
