@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 DEFAULT_SWARM = "fusionp2p"
-_SWARM_NAME_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")  # a swarm's or a job's name: 1-64 letters, digits, - or _
 
 
 def _positive(owner: str, **values: float) -> None:
@@ -250,7 +250,7 @@ class PeerConfig:
     lease_seconds: float = 15.0  # the coordinator lease's period; a dead holder is replaced within 3
 
     def __post_init__(self) -> None:
-        if not _SWARM_NAME_RE.match(self.swarm):
+        if not NAME_RE.match(self.swarm):
             raise ConfigError(
                 f"PeerConfig.swarm must be 1-64 letters, digits, '-' or '_', got {self.swarm!r}"
             )

@@ -59,7 +59,6 @@ class Coordinator:
         self._gate = gate
         self._lock = asyncio.Lock()
         self._waiting = 0
-        self.planned: dict[str, JobReply] = {}  # job -> the reply it got, while this peer coordinates
 
     async def start(self) -> Coordinator:
         await self.transport.serve(COORD_PROTOCOL, self._serve, gate=self._gate)
@@ -149,7 +148,7 @@ class Coordinator:
             len(idle),
             plan.iteration_s,
         )
-        reply = JobReply(
+        return JobReply(
             job=request.job,
             epoch=epoch,
             n_stages=len(records),
@@ -157,5 +156,3 @@ class Coordinator:
             peers=peers,
             links=all_links,
         )
-        self.planned[request.job] = reply
-        return reply

@@ -67,7 +67,6 @@ class LeaseKeeper:
         self._held: LeaseRecord | None = None
         self._seen_epoch = 0
         self._expiration = 0.0
-        self.on_change: Callable[[LeaseRecord | None], None] | None = None
 
     @property
     def epoch(self) -> int:
@@ -97,15 +96,9 @@ class LeaseKeeper:
         return record
 
     def _set(self, held: LeaseRecord | None) -> None:
-        changed = (held is None) != (self._held is None) or (
-            held is not None and self._held is not None and held.epoch != self._held.epoch
-        )
+        if held is not None and (self._held is None or held.epoch != self._held.epoch):
+            logger.info("this peer is the coordinator (epoch %d)", held.epoch)
         self._held = held
-        if changed:
-            if held is not None:
-                logger.info("this peer is the coordinator (epoch %d)", held.epoch)
-            if self.on_change is not None:
-                self.on_change(held)
 
     async def step(self) -> None:
         """One round: renew the lease if held, else claim it when it is free."""

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fusionp2p.config import load_json_object
+from fusionp2p.config import NAME_RE, load_json_object
 from fusionp2p.errors import ConfigError, RecordError
 from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.records import LinkRecord, PeerRecord
@@ -31,7 +31,6 @@ MAX_REQUEST_BYTES = 256 << 10
 MAX_REPLY_BYTES = 4 << 20
 _MAX_OWNER_LINKS = 64
 _MAX_RECORDS = 4096
-_JOB_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 _HEX_RE = re.compile(r"^[0-9a-f]{2,8192}$")
 
 
@@ -109,7 +108,7 @@ class JobRequest:
                 f"job request version {body.get('v')!r:.20}; this coordinator reads {cls.VERSION}"
             )
         job = _str(body, "job")
-        if not _JOB_RE.match(job):
+        if not NAME_RE.match(job):
             raise ConfigError(f"job request names job {job!r:.60}: 1-64 letters, digits, '-' or '_'")
         (owner,) = _records([body.get("owner")], PeerRecord, "job request owner", 1)
         links = _records(body.get("owner_links"), LinkRecord, "job request owner_links", _MAX_OWNER_LINKS)

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from fusionp2p.config import ExecLimits, OptimizerConfig, load_json_object
+from fusionp2p.config import NAME_RE, ExecLimits, OptimizerConfig, load_json_object
 from fusionp2p.errors import ConfigError
 from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.opdag.split import Partition, op_node_names
@@ -25,7 +25,6 @@ from fusionp2p.planning.cost import in_flight as in_flight_window
 
 __all__ = ["JobSetup"]
 
-_JOB_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 _FINGERPRINT_RE = re.compile(r"^[\w.@:\-]{1,80}$")
 _ENGINE_RE = re.compile(r"^[a-z0-9_\-]{1,32}$")
 _PEER_ID_RE = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")
@@ -224,7 +223,7 @@ class JobSetup:
         n_stages = _int(body, "n_stages", 1, limits.max_stages)
         n_micro_batches = _int(body, "n_micro_batches", 1, _MAX_MICRO_BATCHES)
         return cls(
-            job=_str(body, "job", _JOB_RE),
+            job=_str(body, "job", NAME_RE),
             spec=ModelSpec.from_dict(body.get("spec")),
             assignment=_expand(body.get("assignment"), n_stages),
             n_stages=n_stages,

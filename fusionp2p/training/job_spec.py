@@ -9,12 +9,11 @@ one is reported as one line naming it: ``job.toml: [train] micro_batch_size: ...
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from fusionp2p.config import OptimizerConfig
+from fusionp2p.config import NAME_RE, OptimizerConfig
 from fusionp2p.errors import ConfigError
 from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.planning.cost import CompressionPolicy
@@ -22,7 +21,6 @@ from fusionp2p.planning.cost import CompressionPolicy
 __all__ = ["COMPRESSIONS", "EXAMPLE_CONFIG", "JobSpec", "compression_policy"]
 
 COMPRESSIONS = ("none", "adaptive")
-_NAME_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 _MAX_STEPS = 10_000_000
 
 EXAMPLE_CONFIG = """\
@@ -153,7 +151,7 @@ class JobSpec:
     out_dir: str = "fusionp2p-runs"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+        if not isinstance(self.name, str) or not NAME_RE.match(self.name):
             raise ConfigError(f"name: must be 1-64 letters, digits, '-' or '_', got {self.name!r:.40}")
         if not isinstance(self.family, str) or not 0 < len(self.family) <= 128:
             raise ConfigError(f"[model] family: must name a model family, got {self.family!r:.40}")
