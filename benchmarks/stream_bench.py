@@ -65,6 +65,9 @@ class NullExecutor(Executor):
     def state_dict(self) -> bytes:
         return b""
 
+    def full_state(self) -> bytes:
+        return b""
+
     def grads(self) -> bytes:
         return b""
 

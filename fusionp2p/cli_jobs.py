@@ -3,6 +3,7 @@
 fusionp2p train --config job.toml --initial-peers MADDR ...   train as this job's data owner
 fusionp2p train --example-config                              a commented job file to start from
 fusionp2p train --local 4 [--config job.toml]                 ... on a local swarm of 4 peers
+fusionp2p train --config job.toml --resume ...                 go on from the job's latest checkpoint
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ def add_train_parser(sub: Any, add_swarm_args: Any) -> None:
     train.add_argument("--steps", type=int, help="override the job's [train] steps")
     train.add_argument("--out-dir", help="override the job's [output] dir")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (metrics still written)")
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on from the latest checkpoint of the job's newest run under its [output] dir "
+        "(after this data owner was lost)",
+    )
 
 
 def _load_job(args: argparse.Namespace) -> Any:
@@ -78,11 +85,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             LocalSwarm(args.local, peer_args=[fast] * args.local, log_level="warning") as local,
             Swarm(local.initial_peers, swarm=local.swarm) as swarm,
         ):
-            swarm.train(job, progress=not args.no_progress)
+            swarm.train(job, progress=not args.no_progress, resume=args.resume)
         print("the local swarm stopped; no peer process is left.")
         return 0
     with Swarm(args.initial_peers, swarm=args.swarm) as swarm:
-        swarm.train(job, progress=not args.no_progress)
+        swarm.train(job, progress=not args.no_progress, resume=args.resume)
     return 0
 
 

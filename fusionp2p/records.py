@@ -23,6 +23,7 @@ from fusionp2p.errors import RecordError
 
 __all__ = [
     "EXEC_COMMANDS",
+    "FETCHABLE",
     "MAX_RECORD_BYTES",
     "OPDATA_DIRECTIONS",
     "OPDATA_DTYPES",
@@ -413,6 +414,7 @@ class OpData(_WireRecord):
 
 
 EXEC_COMMANDS = ("setup", "weights", "step", "fetch", "teardown", "ping")
+FETCHABLE = ("params", "grads", "state")  # state: every tensor and the optimizer's, for a checkpoint
 
 
 @dataclass(frozen=True)
@@ -425,7 +427,7 @@ class ExecControl(_WireRecord):
     job: str
     iteration: int = 0
     n_micro_batches: int = 0
-    what: str = ""  # fetch: "params" or "grads"
+    what: str = ""  # fetch: one of FETCHABLE
     body_bytes: int = 0  # length of the JSON or safetensors bytes that follow the header
 
     def __post_init__(self) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -26,7 +26,7 @@ from hivemind.utils import get_dht_time
 from fusionp2p.config import DEFAULT_SWARM, OptimizerConfig, check_peer_maddr
 from fusionp2p.coordination.election import lease_in_force
 from fusionp2p.data_owner import plan_job, probe_from, self_record
-from fusionp2p.errors import ConfigError, SwarmError
+from fusionp2p.errors import ConfigError, DeadlineError, SwarmError
 from fusionp2p.net.dht_node import start_dht
 from fusionp2p.net.directory import SwarmDirectory
 from fusionp2p.net.transport import P2PTransport
@@ -214,9 +214,12 @@ class Swarm:
         """The swarm's records in the DHT (read-only from a Swarm)."""
         return self._directory
 
-    async def asubmit(self, job: JobSpec, *, registry: ModelRegistry | None = None) -> SubmittedJob:
-        """Submits ``job`` to the elected coordinator: the plan it published (``training.submit``)."""
-        return await submit_job(await self._transport(), self._directory, job, registry=registry)
+    async def asubmit(
+        self, job: JobSpec, *, registry: ModelRegistry | None = None, **kwargs: Any
+    ) -> SubmittedJob:
+        """Submits ``job`` to the elected coordinator: the plan it published. ``kwargs`` go
+        to ``training.submit.submit_job`` (a re-plan's ``replaces``, ``exclude``, ``speeds``)."""
+        return await submit_job(await self._transport(), self._directory, job, registry=registry, **kwargs)
 
     def submit(self, job: JobSpec, **kwargs: Any) -> SubmittedJob:
         """Sync ``asubmit``."""
@@ -258,6 +261,7 @@ class Swarm:
         registry: ModelRegistry | None = None,
         epoch: int = 0,
         job: str | None = None,
+        initial_state: Mapping[str, torch.Tensor] | None = None,
     ) -> Pipeline:
         """Sets ``spec``'s model up over live peers; this process runs stage 0 (it reads the
         raw inputs and computes the loss, which never leave it).
@@ -270,7 +274,8 @@ class Swarm:
         if it serves ``spec.family`` (built in, or enabled by its operator with
         ``--allow-model``); ``registry`` is what this process builds the model from
         (default: built-ins, installed entry points, and ``spec.family`` if it is an
-        import path).
+        import path). ``initial_state`` (a checkpoint's tensors by name) replaces the
+        model's initial weights and optimizer state on every stage.
 
         Raises:
             SwarmError: fewer live peers than ``n_stages - 1``.
@@ -324,6 +329,7 @@ class Swarm:
                 expect_dag=plan.dag,
                 epoch=epoch,
                 job=job,
+                initial_state=initial_state,
             )
 
         driver = self._run(create())
@@ -376,6 +382,13 @@ class Swarm:
         self.close()
 
 
+async def _within(coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:
+    try:
+        return await asyncio.wait_for(coro, timeout)
+    except asyncio.TimeoutError:
+        raise DeadlineError(f"{what} did not finish within {timeout:.1f} s") from None
+
+
 class Pipeline:
     """A training job driven from this process (the data owner) over peers of a ``Swarm``.
 
@@ -407,9 +420,21 @@ class Pipeline:
     def partition(self) -> Partition:
         return self.driver.partition
 
-    def train_step(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """One iteration (one ``(inputs, labels)`` per micro-batch) and an optimizer step."""
-        return self._swarm._run(self.driver.train_step(batches))
+    def train_step(
+        self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, timeout: float | None = None
+    ) -> float:
+        """One iteration (one ``(inputs, labels)`` per micro-batch) and an optimizer step.
+
+        Raises:
+            DeadlineError: it did not finish within ``timeout`` s (the pipeline is then in
+                an unknown state: close it).
+            ProtocolError / PeerUnreachableError: a stage failed or is gone.
+        """
+        return self._swarm._run(_within(self.driver.train_step(batches), timeout, "the step"))
+
+    def unresponsive(self, timeout: float = 5.0) -> list[str]:
+        """The stage owners that do not answer a ping within ``timeout`` s."""
+        return self._swarm._run(self.driver.unresponsive(timeout))
 
     def run_iteration(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
         """Forward and backward only; then ``fetch("grads")`` or ``step()``."""
@@ -422,12 +447,18 @@ class Pipeline:
         """Per runtime stage (0 is this process): seconds it computed in the last iteration."""
         return list(self.driver.stage_seconds)
 
-    def fetch(self, what: str = "params") -> dict[str, torch.Tensor]:
-        """All stages' parameters (``"params"``) or this iteration's gradients (``"grads"``)."""
-        return self._swarm._run(self.driver.fetch(what))
+    def fetch(self, what: str = "params", *, timeout: float | None = None) -> dict[str, torch.Tensor]:
+        """All stages' parameters (``"params"``), this iteration's gradients (``"grads"``), or
+        a checkpoint's worth of state (``"state"``: every tensor and the optimizer's).
 
-    def close(self) -> None:
-        self._swarm._run(self.driver.aclose())
+        Raises:
+            DeadlineError: not within ``timeout`` s. ProtocolError / PeerUnreachableError.
+        """
+        return self._swarm._run(_within(self.driver.fetch(what), timeout, f"fetching {what}"))
+
+    def close(self, teardown_timeout: float = 10.0) -> None:
+        """Tears the job down on its stages (each within ``teardown_timeout`` s, best effort)."""
+        self._swarm._run(self.driver.aclose(teardown_timeout))
 
     def __enter__(self) -> Pipeline:
         return self

@@ -23,6 +23,7 @@ import pytest
 import torch
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
+from job_helpers import reference_losses
 
 from fusionp2p.config import OptimizerConfig
 from fusionp2p.data_owner import plan_job
@@ -31,10 +32,8 @@ from fusionp2p.launch import LocalSwarm
 from fusionp2p.net.dht_node import start_dht
 from fusionp2p.net.directory import SwarmDirectory
 from fusionp2p.net.identity import ensure_identity, load_signing_key
-from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.planning import CompressionPolicy, CostConfig, Topology
 from fusionp2p.records import LeaseRecord
-from fusionp2p.runtime.losses import lm_loss
 from fusionp2p.swarm import Swarm
 from fusionp2p.training.corpus import TextCorpus
 from fusionp2p.training.job_spec import JobSpec
@@ -83,33 +82,6 @@ def client(local: LocalSwarm) -> Iterator[Swarm]:
         yield swarm
 
 
-def _reference_losses(job: JobSpec) -> list[float]:
-    """The same job trained in this one process."""
-    spec = job.model_spec()
-    model = spec.build(ModelRegistry())
-    opt_cfg = job.optimizer_config
-    opt = torch.optim.AdamW(
-        model.parameters(),
-        lr=opt_cfg.lr,
-        betas=opt_cfg.betas,
-        eps=opt_cfg.eps,
-        weight_decay=opt_cfg.weight_decay,
-    )
-    corpus = TextCorpus.load(job.data_path, seq_len=job.seq_len, max_bytes=job.max_bytes)
-    batches = corpus.batches(job.micro_batch_size, job.n_micro_batches, seed=job.data_seed)
-    losses = []
-    for _ in range(job.steps):
-        opt.zero_grad()
-        values = []
-        for x, y in next(batches):
-            loss = lm_loss([model(x)], y)
-            values.append(loss.item())
-            (loss / job.n_micro_batches).backward()
-        opt.step()
-        losses.append(sum(values) / len(values))
-    return losses
-
-
 def test_a_job_is_planned_by_the_coordinator_and_trains_like_one_process(
     client: Swarm, local: LocalSwarm, tmp_path: Path
 ) -> None:
@@ -134,11 +106,11 @@ def test_a_job_is_planned_by_the_coordinator_and_trains_like_one_process(
         submitted.data_owner
     }
     # no compression: exactly the single-process trajectory, up to float rounding
-    assert losses == pytest.approx(_reference_losses(job), rel=2e-4, abs=2e-4)
+    assert losses == pytest.approx(reference_losses(job), rel=2e-4, abs=2e-4)
     # what a user gets on disk
     rows = (result.run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 50 and '"loss"' in rows[0]
-    assert (result.run_dir / "checkpoint-000025.safetensors").is_file() and result.weights.is_file()
+    assert (result.run_dir / "checkpoints" / "step-000025.safetensors").is_file() and result.weights.is_file()
     assert result.pretrained is not None and (result.pretrained / "config.json").is_file()
     assert len(result.stage_seconds) == 1 + len(set(submitted.plan.peer_ids))
 

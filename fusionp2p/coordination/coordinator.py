@@ -3,7 +3,8 @@
 Every peer that stands for election serves ``COORD_PROTOCOL``; only the lease holder
 plans (the others answer with who holds the lease). Planning traces the spec fake (no
 weights allocated; the same OP-DAG fingerprint on every peer), reads the live records,
-keeps the idle peers (a peer busy in a job is left out), adds the data owner's own record
+keeps the idle peers (a peer busy in a job is left out, unless the request re-plans that
+very job for its data owner; excluded peers always are), adds the data owner's own record
 and links, runs OP-Fence (or the baseline asked for) and publishes the plan to the DHT,
 signed by this peer and stamped with its epoch. One job is planned at a time; a few more
 wait their turn, the rest are refused.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 from hivemind.utils import get_dht_time
 
@@ -27,6 +29,7 @@ from fusionp2p.net.transport import FrameStream, Transport
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.trace import trace_spec
 from fusionp2p.planning import CostConfig, PlanningError, Topology
+from fusionp2p.records import PeerRecord
 from fusionp2p.training.job_spec import compression_policy
 
 __all__ = ["Coordinator"]
@@ -36,6 +39,14 @@ logger = logging.getLogger(__name__)
 MAX_PLAN_PEERS = 16
 PLAN_TTL = 3600.0  # a plan's records live this long in the DHT
 _MAX_WAITING = 4
+
+
+def _scaled(peer: PeerRecord, speeds: dict[str, float]) -> PeerRecord:
+    """``peer`` with its profiled speeds scaled by the data owner's measured factor, if any."""
+    factor = speeds.get(peer.peer_id)
+    if factor is None:
+        return peer
+    return replace(peer, flops={k: v * factor for k, v in peer.flops.items()})
 
 
 class Coordinator:
@@ -103,11 +114,26 @@ class Coordinator:
         finally:
             self._waiting -= 1
 
+    async def _reusable_job(self, request: JobRequest) -> str:
+        """The job a re-plan replaces, if its plan in the DHT names the sender as data owner."""
+        if not request.replaces:
+            return ""
+        plans = await self.directory.fetch_plans(request.replaces)
+        if not any(r.data_owner == request.owner.peer_id for records in plans.values() for r in records):
+            raise ConfigError(f"job {request.replaces} has no published plan with this data owner")
+        return request.replaces
+
     async def _plan(self, request: JobRequest) -> JobReply:
         owner = request.owner.peer_id
         traced = await asyncio.to_thread(trace_spec, request.spec, self.registry, fake=True)
         live = await self.directory.fetch_peers()
-        idle = [p for pid, p in live.items() if p.state == "idle" and pid != owner]
+        reusable = await self._reusable_job(request)
+        excluded = set(request.exclude) | {owner}
+        idle = [
+            _scaled(p, dict(request.speeds))
+            for pid, p in live.items()
+            if pid not in excluded and (p.state == "idle" or (reusable and p.job == reusable))
+        ]
         idle = sorted(idle, key=lambda p: (-p.fp32_flops, p.peer_id))[:MAX_PLAN_PEERS]
         if not idle:
             raise PlanningError(f"no idle peer to run job {request.job} on ({len(live)} live, all busy)")
@@ -140,8 +166,11 @@ class Coordinator:
                 f"the DHT did not keep job {request.job}'s plan (epoch {epoch}); submit again"
             )
         logger.info(
-            "planned job %s for %s (epoch %d): %d stage(s) on %d idle peer(s), %.3f s per iteration",
+            "planned job %s%s for %s (epoch %d): %d stage(s) on %d idle peer(s), %.3f s per iteration",
             request.job,
+            f" (re-plan of {request.replaces}, without {len(request.exclude)} peer(s))"
+            if request.replaces
+            else "",
             owner[-8:],
             epoch,
             len(records),

@@ -10,6 +10,12 @@ plan method, and carries the data owner's own PeerRecord and measured LinkRecord
 bytes, hex): a data owner is not a published peer, and only it can measure its links.
 The coordinator takes them only if they speak for the stream's authenticated peer. The
 reply names the epoch and the records the plan was made from, so anyone can re-plan them.
+
+A re-plan of a running job (a stage owner was lost, or a straggler slows it) names the
+job's current wire id in ``replaces``: its stage owners may be planned on again although
+their records say they are busy in it (if the sender is that job's data owner), the peers
+in ``exclude`` are left out, and ``speeds`` scales a peer's profiled speed by what the data
+owner measured it compute (a factor in (0, 1]: it can only slow a peer down in its own job).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ COORD_PROTOCOL = "/fusionp2p/coord/1"
 MAX_REQUEST_BYTES = 256 << 10
 MAX_REPLY_BYTES = 4 << 20
 _MAX_OWNER_LINKS = 64
+_MAX_EXCLUDE = 256
+_PEER_ID_RE = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")
 _MAX_RECORDS = 4096
 _HEX_RE = re.compile(r"^[0-9a-f]{2,8192}$")
 
@@ -66,7 +74,7 @@ def _str(body: dict[str, Any], key: str, choices: Sequence[str] | None = None) -
 class JobRequest:
     """What the coordinator plans a job from."""
 
-    VERSION = 1
+    VERSION = 2  # 2: replaces, exclude, speeds (re-plans of a running job)
 
     job: str
     spec: ModelSpec
@@ -75,6 +83,9 @@ class JobRequest:
     method: str  # a data_owner.PLAN_METHODS name
     owner: PeerRecord  # the data owner, measured by itself
     owner_links: tuple[LinkRecord, ...]  # its links to candidate peers
+    replaces: str = ""  # the wire id of the running job this plan replaces ("" for a new job)
+    exclude: tuple[str, ...] = ()  # peers not to plan on (lost or stopped)
+    speeds: tuple[tuple[str, float], ...] = ()  # (peer, factor in (0, 1]) on its profiled speed
 
     def to_json(self) -> bytes:
         import json
@@ -89,6 +100,9 @@ class JobRequest:
                 "method": self.method,
                 "owner": self.owner.to_wire().hex(),
                 "owner_links": [lk.to_wire().hex() for lk in self.owner_links],
+                "replaces": self.replaces,
+                "exclude": list(self.exclude),
+                "speeds": [[p, f] for p, f in self.speeds],
             }
         ).encode()
 
@@ -114,6 +128,9 @@ class JobRequest:
         links = _records(body.get("owner_links"), LinkRecord, "job request owner_links", _MAX_OWNER_LINKS)
         if owner.peer_id != sender or any(lk.src != sender for lk in links):
             raise ConfigError("job request records must speak for the peer that sends them")
+        replaces = body.get("replaces", "")
+        if not isinstance(replaces, str) or (replaces and not NAME_RE.match(replaces)):
+            raise ConfigError(f"job request replaces {replaces!r:.60}: not a job name")
         return cls(
             job=job,
             spec=ModelSpec.from_dict(body.get("spec")),
@@ -122,7 +139,37 @@ class JobRequest:
             method=_str(body, "method", PLAN_METHODS),
             owner=owner,
             owner_links=tuple(links),
+            replaces=replaces,
+            exclude=_peer_ids(body.get("exclude", [])),
+            speeds=_speeds(body.get("speeds", [])),
         )
+
+
+def _peer_ids(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or len(value) > _MAX_EXCLUDE:
+        raise ConfigError(f"job request exclude must be a list of at most {_MAX_EXCLUDE} PeerIDs")
+    if not all(isinstance(p, str) and _PEER_ID_RE.match(p) for p in value):
+        raise ConfigError("job request exclude holds a value that is not a PeerID")
+    return tuple(value)
+
+
+def _speeds(value: Any) -> tuple[tuple[str, float], ...]:
+    if not isinstance(value, list) or len(value) > _MAX_EXCLUDE:
+        raise ConfigError(f"job request speeds must be a list of at most {_MAX_EXCLUDE} pairs")
+    out = []
+    for item in value:
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or not isinstance(item[0], str)
+            or not _PEER_ID_RE.match(item[0])
+            or not isinstance(item[1], (int, float))
+            or isinstance(item[1], bool)
+            or not 0 < item[1] <= 1
+        ):
+            raise ConfigError(f"job request speeds holds {item!r:.80}, not a [PeerID, factor in (0, 1]] pair")
+        out.append((item[0], float(item[1])))
+    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -12,27 +12,29 @@ optimizer ran. Inputs, labels and the loss never leave this process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import safetensors.torch
 import torch
 
 from fusionp2p.config import ExecLimits, OptimizerConfig
-from fusionp2p.errors import ConfigError, ProtocolError
+from fusionp2p.errors import ConfigError, FusionP2PError, ProtocolError
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.transport import Transport
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.opdag.split import Partition, balanced_assignment, partition
 from fusionp2p.opdag.trace import TracedModel, trace_spec
-from fusionp2p.records import ExecControl
+from fusionp2p.records import FETCHABLE, ExecControl
 from fusionp2p.runtime.codec import CONTROL_REPLY_BYTES, STEP_REPLY, ExecClient, unpack_message
 from fusionp2p.runtime.job_setup import JobSetup
 from fusionp2p.runtime.losses import LOSSES
 from fusionp2p.runtime.service import ExecutorService, ServicePolicy
+from fusionp2p.runtime.stage_state import OPTIMIZER_SEPARATOR
 from fusionp2p.runtime.torch_executor import TorchExecutor
 
 __all__ = ["PipelineDriver"]
@@ -55,6 +57,29 @@ def _chunks(tensors: Mapping[str, torch.Tensor], limit: int) -> Iterator[dict[st
         size += nbytes
     if chunk:
         yield chunk
+
+
+def _check_checkpoint(traced: TracedModel, part: Partition, state: Mapping[str, torch.Tensor]) -> None:
+    """Raises ConfigError unless ``state`` holds every tensor the stages use, in its shape
+    (a tied weight is one tensor under the one name the traced graph uses)."""
+    program = traced.program
+    every = {**getattr(program, "constants", {}), **program.state_dict}
+    model = {name: every[name] for names in part.params.values() for name in names}
+    plain = {k: v for k, v in state.items() if OPTIMIZER_SEPARATOR not in k}
+    missing = sorted(set(model) - set(plain))
+    foreign = sorted(set(plain) - set(model))
+    wrong = sorted(n for n in set(model) & set(plain) if tuple(model[n].shape) != tuple(plain[n].shape))
+    if missing or foreign or wrong:
+        raise ConfigError(
+            f"the checkpoint does not match the model: missing {missing[:3]}, unknown {foreign[:3]}, "
+            f"other shape {wrong[:3]}"
+        )
+
+
+def _restore_tensors(names: Iterable[str], state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors of ``names``, and their optimizer state."""
+    wanted = set(names)
+    return {k: v.contiguous() for k, v in state.items() if k.partition(OPTIMIZER_SEPARATOR)[0] in wanted}
 
 
 class PipelineDriver:
@@ -80,6 +105,7 @@ class PipelineDriver:
         self._clients = clients
         self._limits = limits
         self._input_name = next(s for s in part.segments if s.kind == "source").nodes[0]
+        self._initial_state: Mapping[str, torch.Tensor] | None = None
 
     @property
     def job(self) -> str:
@@ -110,6 +136,7 @@ class PipelineDriver:
         plan_version: int = 1,
         expect_dag: str | None = None,
         epoch: int = 0,
+        initial_state: Mapping[str, torch.Tensor] | None = None,
     ) -> PipelineDriver:
         """Traces and splits the model, and sets up every stage.
 
@@ -123,9 +150,12 @@ class PipelineDriver:
         every stage peer builds it from its own registry. ``plan_version`` is what every
         OpData of the job names; ``expect_dag`` the OP-DAG fingerprint the plan was made for;
         ``epoch`` the coordinator epoch of a published plan (each stage checks it is in force).
+        ``initial_state`` (a checkpoint: every tensor by name, optimizer state as
+        ``name#key``) replaces the traced initial weights on every stage, this one included.
 
         Raises:
-            ConfigError: a bad assignment, loss, peer list or model config.
+            ConfigError: a bad assignment, loss, peer list or model config, or a checkpoint
+                that does not match the model.
             ProtocolError / PeerUnreachableError: a stage refused its setup (the peer's
                 reason is in the message) or is unreachable.
         """
@@ -185,6 +215,10 @@ class PipelineDriver:
             ratios=dict(ratio_items),
             plan_version=plan_version,
         )
+        if initial_state is not None:
+            _check_checkpoint(traced, part, initial_state)
+            own = _restore_tensors(part.params[data_stage], initial_state)
+            await asyncio.to_thread(executor.load_state, safetensors.torch.save(own))
         policy = ServicePolicy(accept_setups=False, max_jobs=1, limits=limits, timeout=timeout)
         service = await ExecutorService(transport, policy).start()
         service.install(executor, setups[data_stage], owner=transport.peer_id)
@@ -194,6 +228,7 @@ class PipelineDriver:
             if s != data_stage
         }
         driver = cls(service, executor, traced, part, setups, clients, limits)
+        driver._initial_state = initial_state
         try:
             for s, (peer_id, maddrs) in enumerate(peers):
                 if s != data_stage and maddrs:
@@ -227,9 +262,10 @@ class PipelineDriver:
         body = self.setups[stage].to_json()
         client = self._clients[stage]
         await client.request(ExecControl(command="setup", job=self.job, body_bytes=len(body)), body)
-        for chunk in _chunks(
-            self._stage_tensors(stage, trainable_only=False), self._limits.weights_chunk_bytes
-        ):
+        tensors = self._stage_tensors(stage, trainable_only=False)
+        if self._initial_state is not None:
+            tensors = _restore_tensors(tensors, self._initial_state)
+        for chunk in _chunks(tensors, self._limits.weights_chunk_bytes):
             data = safetensors.torch.save(chunk)
             await client.request(ExecControl(command="weights", job=self.job, body_bytes=len(data)), data)
 
@@ -277,9 +313,10 @@ class PipelineDriver:
         return sum(losses) / len(losses)
 
     async def fetch(self, what: str) -> dict[str, torch.Tensor]:
-        """Every stage's parameters (``"params"``) or this iteration's gradients (``"grads"``)."""
-        if what not in ("params", "grads"):
-            raise ValueError(f"fetch 'params' or 'grads', not {what!r}")
+        """Every stage's parameters (``"params"``), this iteration's gradients (``"grads"``),
+        or everything a checkpoint holds (``"state"``: every tensor and the optimizer's)."""
+        if what not in FETCHABLE:
+            raise ValueError(f"fetch one of {FETCHABLE}, not {what!r}")
         header = ExecControl(
             command="fetch",
             job=self.job,
@@ -289,12 +326,16 @@ class PipelineDriver:
         )
         if what == "grads":
             await self.service.wait_ready(self.job)
-        local = self.executor.grads() if what == "grads" else self.executor.state_dict()
+        read = {"params": self.executor.state_dict, "grads": self.executor.grads, "state": None}[what]
+        local = read() if read is not None else await asyncio.to_thread(self.executor.full_state)
         merged = dict(safetensors.torch.load(local))
 
         async def remote(stage: int, client: ExecClient) -> dict[str, torch.Tensor]:
-            weights = self._stage_tensors(stage, trainable_only=True)
-            limit = sum(t.numel() * t.element_size() for t in weights.values()) + _SAFETENSORS_SLACK
+            weights = self._stage_tensors(stage, trainable_only=what != "state")
+            nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+            if what == "state":  # optimizer state: at most three tensors the size of each, plus a step
+                nbytes = 4 * nbytes + 64 * len(weights)
+            limit = nbytes + _SAFETENSORS_SLACK
             kind, payload = await client.request(header, max_reply=limit + CONTROL_REPLY_BYTES)
             if kind is not FrameKind.DATA:
                 raise ProtocolError(f"fetch {what} from stage {stage}: expected DATA, got {kind.name}")
@@ -305,7 +346,11 @@ class PipelineDriver:
                 raise ProtocolError(
                     f"fetch {what} from stage {stage}: not safetensors: {str(e)[:200]}"
                 ) from e
-            wrong = {n for n, t in tensors.items() if n not in weights or t.shape != weights[n].shape}
+            wrong = {
+                n
+                for n, t in tensors.items()
+                if OPTIMIZER_SEPARATOR not in n and (n not in weights or t.shape != weights[n].shape)
+            }
             if wrong:
                 raise ProtocolError(
                     f"fetch {what} from stage {stage}: unexpected tensors {sorted(wrong)[:3]}"
@@ -316,16 +361,39 @@ class PipelineDriver:
             merged.update(tensors)
         return merged
 
-    async def aclose(self) -> None:
-        """Tears the job down on every stage (best effort) and stops serving it here."""
+    async def unresponsive(self, timeout: float = 5.0) -> list[str]:
+        """The stage owners that do not answer a ping within ``timeout`` s (dead or stopped);
+        each is asked on a fresh stream, so a stuck request of the job cannot hide it."""
+        ping = ExecControl(command="ping", job=self.job)
+
+        async def alive(peer_id: str) -> bool:
+            client = ExecClient(self.service.transport, peer_id, timeout=timeout)
+            try:
+                await asyncio.wait_for(client.request(ping), timeout)
+                return True
+            except (FusionP2PError, asyncio.TimeoutError) as e:
+                logger.info("job %s: stage owner %s does not answer: %s", self.job, peer_id[-8:], e)
+                return False
+            finally:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(client.aclose(), timeout)
+
+        peers = [client.peer_id for client in self._clients.values()]
+        answers = await asyncio.gather(*(alive(p) for p in peers))
+        return [p for p, ok in zip(peers, answers, strict=True) if not ok]
+
+    async def aclose(self, teardown_timeout: float = 10.0) -> None:
+        """Tears the job down on every stage (best effort, each within ``teardown_timeout``
+        s) and stops serving it here."""
         teardown = ExecControl(command="teardown", job=self.job)
 
         async def end(client: ExecClient) -> None:
             try:
-                await asyncio.wait_for(client.request(teardown), 10.0)
+                await asyncio.wait_for(client.request(teardown), teardown_timeout)
             except Exception as e:  # the stage may be gone; it frees the job on its own then
                 logger.debug("teardown of job %s at %s: %s", self.job, client.peer_id[:12], e)
-            await client.aclose()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.aclose(), teardown_timeout)
 
         await asyncio.gather(*(end(c) for c in self._clients.values()))
         await self.service.aclose()

@@ -69,13 +69,20 @@ class Executor(abc.ABC):
         """This stage's parameters as safetensors bytes."""
 
     @abc.abstractmethod
+    def full_state(self) -> bytes:
+        """Everything a checkpoint needs as safetensors bytes: every tensor of this stage and
+        the optimizer's state of each parameter (``<param>#<key>``, e.g. ``w#exp_avg``);
+        ``load_state`` takes it back."""
+
+    @abc.abstractmethod
     def grads(self) -> bytes:
         """The gradients accumulated in this iteration, as safetensors bytes."""
 
     @abc.abstractmethod
     def load_state(self, data: bytes | bytearray) -> int:
-        """Loads some of this stage's tensors (parameters, buffers, constants) from safetensors
-        bytes (a state comes in chunks); returns how many are still missing.
+        """Loads some of this stage's tensors (parameters, buffers, constants) and optimizer
+        state (as ``full_state`` names it) from safetensors bytes (a state comes in chunks);
+        returns how many tensors are still missing.
 
         Raises:
             ProtocolError: not safetensors, a name this stage does not hold, or a wrong shape

@@ -34,7 +34,7 @@ from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.limits import InboundBudget, RejectionLog, Reservation, StreamGate
 from fusionp2p.net.transport import FrameStream, Transport
 from fusionp2p.opdag.families import ModelRegistry
-from fusionp2p.records import MAX_RECORD_BYTES, ExecControl, OpData
+from fusionp2p.records import FETCHABLE, MAX_RECORD_BYTES, ExecControl, OpData
 from fusionp2p.runtime.codec import (
     CREDIT,
     EXEC_PROTOCOL,
@@ -347,11 +347,12 @@ class ExecutorService:
             await self._drop(job, "its owner tore it down")
             return FrameKind.ACK, b""
         if header.command == "fetch":
-            if header.what not in ("params", "grads"):
+            if header.what not in FETCHABLE:
                 raise ProtocolError(f"cannot fetch {header.what!r:.40}")
             if header.what == "grads":
                 await self.wait_ready(job.name)
-            data = await self.in_pool(executor.state_dict if header.what == "params" else executor.grads)
+            read = {"params": executor.state_dict, "grads": executor.grads, "state": executor.full_state}
+            data = await self.in_pool(read[header.what])
             reply = ExecControl(command="fetch", job=job.name, what=header.what, body_bytes=len(data))
             return FrameKind.DATA, pack_message(reply, data)
         seconds = await self.step(job.name)

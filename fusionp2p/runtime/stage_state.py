@@ -17,7 +17,10 @@ import torch
 from fusionp2p.config import OptimizerConfig
 from fusionp2p.errors import ProtocolError
 
-__all__ = ["StageState"]
+__all__ = ["OPTIMIZER_KEYS", "OPTIMIZER_SEPARATOR", "StageState"]
+
+OPTIMIZER_SEPARATOR = "#"  # "<param>#<key>" names a parameter's optimizer tensor in a checkpoint
+OPTIMIZER_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"})
 
 
 def _optimizer(config: OptimizerConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer | None:
@@ -67,7 +70,8 @@ class StageState:
         return {k: t.numel() * t.element_size() for k, t in self.tensors.items()}
 
     def load(self, data: bytes | bytearray) -> int:
-        """Copies tensors from safetensors bytes (all or some of them); how many are still missing.
+        """Copies tensors, and optimizer state named ``<param>#<key>`` (what ``save_full``
+        writes), from safetensors bytes (all or some of them); how many tensors are still missing.
 
         Raises:
             ProtocolError: not safetensors, a name this stage does not hold, or a wrong shape
@@ -77,26 +81,61 @@ class StageState:
             tensors = safetensors.torch.load(bytes(data))
         except Exception as e:
             raise ProtocolError(f"weights are not valid safetensors: {str(e)[:200]}") from e
-        unknown = set(tensors) - set(self.tensors)
+        plain = {k: v for k, v in tensors.items() if OPTIMIZER_SEPARATOR not in k}
+        unknown = set(plain) - set(self.tensors)
         if unknown:
             raise ProtocolError(f"this stage holds no {sorted(unknown)[:3]}")
-        for name, tensor in tensors.items():
+        for name, tensor in plain.items():
             mine = self.tensors[name]
             if tensor.shape != mine.shape or tensor.dtype != mine.dtype:
                 raise ProtocolError(
                     f"weight {name}: {tuple(tensor.shape)}/{tensor.dtype}, expected "
                     f"{tuple(mine.shape)}/{mine.dtype}"
                 )
+        optimizer_state = self._check_optimizer_state(
+            {k: v for k, v in tensors.items() if OPTIMIZER_SEPARATOR in k}
+        )
         with torch.no_grad():
-            for name, tensor in tensors.items():
+            for name, tensor in plain.items():
                 self.tensors[name].copy_(tensor)
-        self.missing -= set(tensors)
+        if self._optimizer is not None:
+            for param, values in optimizer_state.items():
+                self._optimizer.state[param].update(values)
+        self.missing -= set(plain)
         return len(self.missing)
+
+    def _check_optimizer_state(
+        self, tensors: dict[str, torch.Tensor]
+    ) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
+        out: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
+        for full, tensor in tensors.items():
+            name, _, key = full.rpartition(OPTIMIZER_SEPARATOR)
+            param = self.params.get(name)
+            if param is None or key not in OPTIMIZER_KEYS or self._optimizer is None:
+                raise ProtocolError(f"this stage holds no optimizer state {full[:80]!r}")
+            if tensor.shape not in (param.shape, torch.Size([])) or not tensor.is_floating_point():
+                raise ProtocolError(
+                    f"optimizer state {full[:80]}: {tuple(tensor.shape)}/{tensor.dtype} does not fit "
+                    f"its parameter {tuple(param.shape)}"
+                )
+            value = tensor.to(param.device) if key != "step" else tensor.clone()
+            out.setdefault(param, {})[key] = value
+        return out
 
     def save(self, names: Iterable[str] | None = None) -> bytes:
         """The parameters (or the tensors ``names``) as safetensors bytes."""
         chosen = self.params if names is None else {n: self.tensors[n] for n in names}
         return safetensors.torch.save({k: v.detach().cpu().contiguous() for k, v in chosen.items()})
+
+    def save_full(self) -> bytes:
+        """Every tensor and each parameter's optimizer state (``<param>#<key>``) as safetensors."""
+        out = {k: v.detach().cpu().contiguous() for k, v in self.tensors.items()}
+        if self._optimizer is not None:
+            for name, param in self.params.items():
+                for key, value in self._optimizer.state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor) and key in OPTIMIZER_KEYS:
+                        out[f"{name}{OPTIMIZER_SEPARATOR}{key}"] = value.detach().cpu().contiguous()
+        return safetensors.torch.save(out)
 
     def grads(self) -> bytes:
         """The parameters' accumulated gradients (zeros where none) as safetensors bytes."""

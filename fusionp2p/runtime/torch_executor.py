@@ -443,6 +443,9 @@ class TorchExecutor(Executor):
     def state_dict(self) -> bytes:
         return self.state.save()
 
+    def full_state(self) -> bytes:
+        return self.state.save_full()
+
     def grads(self) -> bytes:
         return self.state.grads()
 

@@ -54,10 +54,18 @@ lr = 0.001
 weight_decay = 0.0
 compression = "none"           # "none", or "adaptive": Top-K per link, by its bandwidth
 plan_method = "op-fence"       # or a baseline: "equal-computation/none", ...
-checkpoint_every = 25          # steps between checkpoints (0: only the final weights)
+checkpoint_every = 0           # steps between checkpoints; 0: chosen to cost <= 10% of the steps
 min_peers = 2                  # wait for this many idle peers before submitting
 wait_peers_s = 120             # how long to wait for them
 seed = 0                       # batch order
+
+[fault]                        # a lost or slow stage owner is planned around, from the last checkpoint
+deadline_s = 30                # a step may take at least this long before its stages are probed
+deadline_slack = 4.0           # ... and this many times the plan's measured step time
+straggler_factor = 1.5         # steps this much slower than the plan's first ones are slow
+straggler_steps = 3            # this many slow steps in a row: re-plan with the measured speeds
+straggler_min_s = 1.0          # a slow step is also at least this many seconds over (jitter is not slow)
+max_replans = 10               # give up after this many re-plans
 
 [output]
 dir = "fusionp2p-runs"         # metrics.jsonl, checkpoints, final weights go to <dir>/<name>
@@ -84,6 +92,12 @@ _TOML_FIELDS: dict[tuple[str, str], str] = {
     ("train", "min_peers"): "min_peers",
     ("train", "wait_peers_s"): "wait_peers_s",
     ("train", "seed"): "data_seed",
+    ("fault", "deadline_s"): "deadline_s",
+    ("fault", "deadline_slack"): "deadline_slack",
+    ("fault", "straggler_factor"): "straggler_factor",
+    ("fault", "straggler_steps"): "straggler_steps",
+    ("fault", "straggler_min_s"): "straggler_min_s",
+    ("fault", "max_replans"): "max_replans",
     ("output", "dir"): "out_dir",
 }
 _WHERE = {f: (f"[{s}] {k}" if s else k) for (s, k), f in _TOML_FIELDS.items()}
@@ -144,10 +158,16 @@ class JobSpec:
     weight_decay: float = 0.0
     compression: str = "none"
     plan_method: str = "op-fence"
-    checkpoint_every: int = 25
+    checkpoint_every: int = 0  # 0: automatic, so that checkpoints cost <= 10% of the step time
     min_peers: int = 1
     wait_peers_s: float = 120.0
     data_seed: int = 0
+    deadline_s: float = 30.0  # the least time a step gets before its stage owners are probed
+    deadline_slack: float = 4.0  # a step's deadline: this times the plan's measured step time
+    straggler_factor: float = 1.5
+    straggler_steps: int = 3
+    straggler_min_s: float = 1.0
+    max_replans: int = 10
     out_dir: str = "fusionp2p-runs"
 
     def __post_init__(self) -> None:
@@ -187,6 +207,12 @@ class JobSpec:
         _check_int("min_peers", self.min_peers, 1, 64)
         _check_float("wait_peers_s", self.wait_peers_s, 0.0, 86400.0)
         _check_int("data_seed", self.data_seed, 0, (1 << 63) - 1)
+        _check_float("deadline_s", self.deadline_s, 0.1, 86400.0)
+        _check_float("deadline_slack", self.deadline_slack, 1.0, 1000.0)
+        _check_float("straggler_factor", self.straggler_factor, 1.0, 1000.0)
+        _check_int("straggler_steps", self.straggler_steps, 1, 10_000)
+        _check_float("straggler_min_s", self.straggler_min_s, 0.0, 86400.0)
+        _check_int("max_replans", self.max_replans, 0, 10_000)
         if not isinstance(self.out_dir, str) or not self.out_dir:
             raise ConfigError(f"[output] dir: must be a directory path, got {self.out_dir!r:.40}")
         try:

@@ -29,7 +29,7 @@ from fusionp2p.planning import CostConfig, Plan, Topology
 from fusionp2p.records import PeerRecord
 from fusionp2p.training.job_spec import JobSpec, compression_policy
 
-__all__ = ["SubmittedJob", "submit_job", "wait_for_peers"]
+__all__ = ["SubmittedJob", "new_run_id", "plan_job_id", "submit_job", "wait_for_peers"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,18 @@ class SubmittedJob:
     @property
     def epoch(self) -> int:
         return self.reply.epoch
+
+
+def new_run_id(name: str) -> str:
+    """A fresh run id for a job named ``name``: the name and a random suffix (room is left
+    for ``plan_job_id``'s plan-version suffix within the 64-character name limit)."""
+    return f"{name[:48]}-{uuid.uuid4().hex[:6]}"
+
+
+def plan_job_id(run_id: str, version: int) -> str:
+    """The wire id of plan ``version`` of run ``run_id``: every re-plan is a new job on the
+    peers (its own setup, plan records and OpData), the run and its files stay one."""
+    return run_id if version == 1 else f"{run_id}-p{version}"
 
 
 async def wait_for_peers(directory: SwarmDirectory, n: int, timeout: float) -> list[PeerRecord]:
@@ -80,8 +92,17 @@ async def submit_job(
     *,
     registry: ModelRegistry | None = None,
     timeout: float = 120.0,
+    run_id: str | None = None,
+    replaces: str = "",
+    exclude: tuple[str, ...] = (),
+    speeds: tuple[tuple[str, float], ...] = (),
 ) -> SubmittedJob:
     """Submits ``job`` to the swarm's coordinator and returns the plan it published.
+
+    ``run_id`` is the job's id on the wire (default: its name and a random suffix). A
+    re-plan of a running job names that job's wire id in ``replaces``: it does not wait for
+    ``min_peers`` idle peers, may reuse the job's own stage owners, leaves out the peers in
+    ``exclude`` and scales peers' speeds by the measured ``speeds`` factors.
 
     Raises:
         ConfigError: the job's model family or config is refused here.
@@ -92,12 +113,18 @@ async def submit_job(
     spec = job.model_spec()
     registry = registry or ModelRegistry.for_data_owner(spec.family)
     traced = await asyncio.to_thread(trace_spec, spec, registry, fake=True)
-    peers = await wait_for_peers(directory, job.min_peers, job.wait_peers_s)
+    if replaces:
+        live = await directory.fetch_peers()
+        peers = sorted(
+            (p for p in live.values() if p.state == "idle" or p.job == replaces), key=lambda p: -p.fp32_flops
+        )
+    else:
+        peers = await wait_for_peers(directory, job.min_peers, job.wait_peers_s)
     lease = await find_coordinator(directory, timeout=max(job.wait_peers_s, 1.0))
     me = await asyncio.to_thread(self_record, transport.peer_id)
-    candidates = [p for p in peers if p.peer_id != transport.peer_id][:MAX_PROBED_PEERS]
-    links = await probe_from(transport, candidates)
-    run_id = f"{job.name[:56]}-{uuid.uuid4().hex[:6]}"
+    candidates = [p for p in peers if p.peer_id != transport.peer_id and p.peer_id not in exclude]
+    links = await probe_from(transport, candidates[:MAX_PROBED_PEERS])
+    run_id = run_id or new_run_id(job.name)
     request = JobRequest(
         job=run_id,
         spec=spec,
@@ -106,6 +133,9 @@ async def submit_job(
         method=job.plan_method,
         owner=me,
         owner_links=tuple(links),
+        replaces=replaces,
+        exclude=exclude,
+        speeds=speeds,
     )
     holder = lease.holder
     logger.info("submitting job %s to coordinator %s (epoch %d)", run_id, holder[-8:], lease.epoch)

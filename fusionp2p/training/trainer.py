@@ -2,10 +2,13 @@
 
 Submits the job (the coordinator plans it), prints the plan, sets it up over the peers,
 then runs the steps on batches of its own text (which never leave this process) with a
-progress bar: loss, tokens/s, plan epoch, the slowest stage's peer and compute per step. Every
-step is a line of ``metrics.jsonl`` (and a TensorBoard scalar when tensorboard is
-installed); every ``checkpoint_every`` steps and at the end the weights are written as
-safetensors, and transformers families also get ``save_pretrained``.
+progress bar: loss, tokens/s, plan version, the slowest stage's peer and compute per step.
+Every step is a line of ``metrics.jsonl`` (and a TensorBoard scalar when tensorboard is
+installed); checkpoints (every stage's tensors and optimizer state) go to
+``checkpoints/`` every ``checkpoint_every`` steps (or as often as costs <= 10% when 0),
+fault-handling events to ``events.jsonl`` (``JobRun``: lost peers and stragglers are
+planned around), and at the end the weights are written as safetensors; transformers
+families also get ``save_pretrained``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,11 +29,13 @@ from fusionp2p.errors import ConfigError
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.planning import cluster_peers
 from fusionp2p.training.corpus import BYTE_VOCAB, TextCorpus
+from fusionp2p.training.job_run import JobRun, StepFailed, resumable
 from fusionp2p.training.job_spec import JobSpec
-from fusionp2p.training.submit import SubmittedJob
+from fusionp2p.training.submit import SubmittedJob, new_run_id
+from fusionp2p.training.supervision import EventLog
 
 if TYPE_CHECKING:
-    from fusionp2p.swarm import Pipeline, Swarm
+    from fusionp2p.swarm import Swarm
 
 __all__ = ["TrainResult", "describe_submitted", "preflight", "save_weights", "train"]
 
@@ -48,6 +54,7 @@ class TrainResult:
     pretrained: Path | None  # a save_pretrained directory, for transformers families
     seconds: float
     stage_seconds: list[float] = field(default_factory=list)  # last step's compute per stage
+    replans: int = 0  # plans after the first: lost peers and stragglers planned around
 
 
 def describe_submitted(submitted: SubmittedJob) -> str:
@@ -136,6 +143,15 @@ def _progress(total: int, enabled: bool) -> Any:
     return tqdm(total=total, unit="step", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
 
 
+def _console(out: Any, progress: bool) -> Any:
+    """Where event lines go: above the progress bar while there is one."""
+    if not progress:
+        return out
+    from tqdm import tqdm
+
+    return lambda line: tqdm.write(line, file=sys.stderr)
+
+
 def preflight(job: JobSpec, registry: ModelRegistry | None = None) -> None:
     """Checks what can be checked before the swarm is contacted: the model family is known
     here and its config valid, and the vocabulary holds the byte-level tokens.
@@ -150,6 +166,20 @@ def preflight(job: JobSpec, registry: ModelRegistry | None = None) -> None:
     spec.resolve(registry or ModelRegistry.for_data_owner(spec.family))
 
 
+def _previous_losses(run_dir: Path, upto: int) -> list[float]:
+    """The losses of steps 1..``upto`` from a run's metrics (the last row of each step)."""
+    by_step: dict[int, float] = {}
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+                by_step[int(row["step"])] = float(row["loss"])
+            except (ValueError, KeyError, TypeError):
+                continue
+    return [by_step[s] for s in range(1, upto + 1) if s in by_step]
+
+
 def train(
     swarm: Swarm,
     job: JobSpec,
@@ -157,73 +187,122 @@ def train(
     progress: bool = True,
     out: Any = print,
     registry: ModelRegistry | None = None,
+    resume: bool = False,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
 ) -> TrainResult:
     """Runs ``job`` on ``swarm`` with this process as the data owner (see the module doc).
 
+    A lost or stopped stage owner is planned around and the run goes on from its latest
+    checkpoint; a straggler is re-planned around without losing a step (``JobRun``). With
+    ``resume`` the newest run of the job that has a checkpoint goes on from it (after the
+    data owner itself was lost). ``on_step`` gets each step's metrics row.
+
     Raises:
         ConfigError: a bad job (a model vocabulary smaller than the byte tokenizer's, a
-            missing data path, an unknown family or config key).
-        SwarmError: too few idle peers within ``job.wait_peers_s``.
-        CoordinatorError: no coordinator, or it refused or could not plan the job.
-        ProtocolError / PeerUnreachableError: a stage refused its setup or failed.
+            missing data path, an unknown family or config key), or nothing to resume.
+        SwarmError: too few idle peers within ``job.wait_peers_s``, or no new plan in time.
+        CoordinatorError: no coordinator, it refused or could not plan the job, or
+            ``max_replans`` re-plans did not get the run through.
     """
     preflight(job, registry)
     corpus = TextCorpus.load(job.data_path, seq_len=job.seq_len, max_bytes=job.max_bytes)
     out(f"data: {len(corpus.tokens) / 1e6:.1f} MB of text from {corpus.source} ({corpus.n_samples} samples)")
-    submitted = swarm.submit(job, registry=registry)
-    out(describe_submitted(submitted))
-    run_dir = job.run_dir / submitted.run_id
+    checkpoint = None
+    if resume:
+        found = resumable(job)
+        if found is None:
+            raise ConfigError(
+                f"nothing to resume: no run of job {job.name} under {job.run_dir} has a checkpoint"
+            )
+        run_dir, checkpoint = found
+        run_id = run_dir.name
+    else:
+        run_id = new_run_id(job.name)
+        run_dir = job.run_dir / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "job.json").write_text(json.dumps(job.to_dict(), indent=2, default=str))
-    spec = job.model_spec()
+    events = EventLog(run_dir / "events.jsonl", out=_console(out, progress))
+    done_versions = [int(e.get("plan_version", 0)) for e in EventLog.read(events.path)]
+    run = JobRun(
+        swarm,
+        job,
+        corpus,
+        run_id,
+        run_dir,
+        events,
+        registry=registry,
+        out=out,
+        version=max(done_versions, default=0),
+    )
     start = time.perf_counter()
     losses: list[float] = []
+    if checkpoint is not None:
+        losses = _previous_losses(run_dir, checkpoint.step)
+        events.emit(
+            "resumed",
+            f"resuming run {run_id} from the checkpoint of step {checkpoint.step} (plan version "
+            f"{checkpoint.plan_version})",
+            step=checkpoint.step,
+        )
+    submitted = run.start(checkpoint)
+    out(describe_submitted(submitted))
     metrics = _Metrics(run_dir)
     tokens_per_step = job.batch_size * job.seq_len
-    pipeline: Pipeline = swarm.pipeline(
-        spec,
-        plan=submitted.plan,
-        optimizer=job.optimizer_config,
-        registry=registry,
-        epoch=submitted.epoch,
-        job=submitted.run_id,
-    )
     stage_seconds: list[float] = []
-    owners = ["data owner", *(p.peer_id[-8:] for p in pipeline.peers)]  # by runtime stage
+    params: dict[str, torch.Tensor] = {}
     try:
         bar = _progress(job.steps, progress)
-        batches = corpus.batches(job.micro_batch_size, job.n_micro_batches, seed=job.data_seed)
-        for step in range(1, job.steps + 1):
-            began = time.perf_counter()
-            loss = pipeline.train_step(next(batches))
-            took = time.perf_counter() - began
-            stage_seconds = pipeline.stage_seconds()
-            losses.append(loss)
-            slowest = max(range(len(stage_seconds)), key=stage_seconds.__getitem__) if stage_seconds else 0
-            who = owners[slowest] if slowest < len(owners) else "?"
-            row = {
-                "step": step,
-                "loss": loss,
-                "tokens": step * tokens_per_step,
-                "step_s": took,
-                "tokens_per_s": tokens_per_step / took,
-                "epoch": submitted.epoch,
-                "stage_compute_s": stage_seconds,
-                "time": time.time(),
-            }
-            metrics.write(row)
-            bar.set_postfix_str(
-                f"loss {loss:.3f}, {row['tokens_per_s']:.0f} tok/s, epoch {submitted.epoch}, "
-                f"slowest {who} ({stage_seconds[slowest] if stage_seconds else 0:.2f} s)"
-            )
-            bar.update(1)
-            if job.checkpoint_every and step % job.checkpoint_every == 0 and step < job.steps:
-                save_weights(pipeline.fetch("params"), run_dir / f"checkpoint-{step:06d}.safetensors")
+        bar.update(run.step)
+        while True:
+            try:
+                if run.step >= job.steps:
+                    state = run.fetch_state()
+                    params = {k: v for k, v in state.items() if k in _trainable(run)}
+                    break
+                loss, took = run.train_step()
+                assert run.pipeline is not None and run.submitted is not None
+                stage_seconds = run.pipeline.stage_seconds()
+                del losses[run.step - 1 :]
+                losses.append(loss)
+                owners = ["data owner", *(p[-8:] for p in run.stage_peers)]
+                slowest = (
+                    max(range(len(stage_seconds)), key=stage_seconds.__getitem__) if stage_seconds else 0
+                )
+                who = owners[slowest] if slowest < len(owners) else "?"
+                row = {
+                    "step": run.step,
+                    "loss": loss,
+                    "tokens": run.step * tokens_per_step,
+                    "step_s": took,
+                    "tokens_per_s": tokens_per_step / took,
+                    "epoch": run.submitted.epoch,
+                    "plan_version": run.version,
+                    "peers": run.stage_peers,
+                    "stage_compute_s": stage_seconds,
+                    "time": time.time(),
+                }
+                checkpoint_s = run.maybe_checkpoint() if run.step < job.steps else None
+                if checkpoint_s is not None:
+                    row["checkpoint_s"] = checkpoint_s
+                metrics.write(row)
+                bar.n = run.step
+                bar.set_postfix_str(
+                    f"loss {loss:.3f}, {row['tokens_per_s']:.0f} tok/s, plan v{run.version}, "
+                    f"slowest {who} ({stage_seconds[slowest] if stage_seconds else 0:.2f} s)"
+                )
+                bar.refresh()
+                if on_step is not None:
+                    on_step(row)
+                if run.clock.straggling() and run.step < job.steps:
+                    run.switch_for_straggler()
+            except StepFailed as failure:
+                run.recover(failure)
+                bar.n = run.step
+                bar.refresh()
         bar.close()
-        params = pipeline.fetch("params")
     finally:
         metrics.close()
-        pipeline.close()
+        run.close()
     weights = save_weights(params, run_dir / "weights.safetensors")
     pretrained = _save_pretrained(job, params, run_dir / "pretrained")
     seconds = time.perf_counter() - start
@@ -232,8 +311,16 @@ def train(
         f"trained {job.steps} steps in {seconds:.1f} s: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
         f"(mean of the first {window} steps {sum(losses[:window]) / window:.3f}, "
         f"of the last {window} {sum(losses[-window:]) / window:.3f}); "
-        f"weights in {weights}" + (f", save_pretrained in {pretrained}" if pretrained else "")
+        f"{run.replans} re-plan(s); weights in {weights}"
+        + (f", save_pretrained in {pretrained}" if pretrained else "")
     )
+    assert run.submitted is not None
     return TrainResult(
-        submitted.run_id, losses, submitted, run_dir, weights, pretrained, seconds, stage_seconds
+        run_id, losses, run.submitted, run_dir, weights, pretrained, seconds, stage_seconds, run.replans
     )
+
+
+def _trainable(run: JobRun) -> set[str]:
+    assert run.pipeline is not None
+    program = run.pipeline.driver.traced.program
+    return set(program.graph_signature.inputs_to_parameters.values())

@@ -1,0 +1,352 @@
+"""One run of a job from its data owner: plans, steps, checkpoints, and what goes wrong.
+
+A ``JobRun`` holds the plan in force (a ``Pipeline`` over the coordinator's plan) and
+the run's place in its data. It never stops for a peer:
+
+- **A step fails or passes its deadline** (a stage owner died, was stopped, or its
+  stream broke): every stage owner is pinged; those that do not answer are *lost*. The
+  old pipeline is torn down (best effort, briefly), the coordinator re-plans the job
+  without the lost peers (``replaces``: the job's own busy stage owners may be reused, new
+  idle peers are used too) as plan version v+1, every new stage loads its part of the
+  latest checkpoint, and the data owner rolls its data back to that step: at most one
+  checkpoint period of steps is redone.
+- **A straggler** (``StepClock.straggling``): a checkpoint is taken at once, the job is
+  re-planned with each stage's measured slowdown, and continues on the new plan from
+  that checkpoint: no step is lost.
+- **The coordinator is lost**: the plan in force needs no coordinator; a later re-plan
+  goes to whoever holds the lease then (it retries until one does).
+
+Every such event is one line of the log, of the console and of ``events.jsonl``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fusionp2p.errors import ConfigError, CoordinatorError, FusionP2PError, LimitError, SwarmError
+from fusionp2p.opdag.families import ModelRegistry
+from fusionp2p.planning import PlanningError
+from fusionp2p.training.checkpoint import Checkpoint, latest_checkpoint, save_checkpoint
+from fusionp2p.training.corpus import TextCorpus
+from fusionp2p.training.job_spec import JobSpec
+from fusionp2p.training.submit import SubmittedJob, plan_job_id
+from fusionp2p.training.supervision import CheckpointPolicy, EventLog, StepClock
+
+if TYPE_CHECKING:
+    from fusionp2p.swarm import Pipeline, Swarm
+
+__all__ = ["JobRun", "StepFailed", "resumable"]
+
+logger = logging.getLogger(__name__)
+
+REPLAN_PATIENCE_S = 180.0  # how long a re-plan is retried (a coordinator may have to be elected)
+PING_TIMEOUT_S = 5.0
+TEARDOWN_TIMEOUT_S = 3.0
+
+
+class StepFailed(Exception):
+    """A step, a checkpoint or the final fetch failed; ``cause`` says how."""
+
+    def __init__(self, cause: FusionP2PError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+class JobRun:
+    """The data owner's side of one run (see the module doc). Start with ``start()``."""
+
+    def __init__(
+        self,
+        swarm: Swarm,
+        job: JobSpec,
+        corpus: TextCorpus,
+        run_id: str,
+        run_dir: Path,
+        events: EventLog,
+        *,
+        registry: ModelRegistry | None = None,
+        out: Callable[[str], Any] = print,
+        version: int = 0,
+    ) -> None:
+        self.swarm = swarm
+        self.job = job
+        self.corpus = corpus
+        self.run_id = run_id
+        self.run_dir = run_dir
+        self.events = events
+        self.registry = registry
+        self.out = out
+        self.version = version  # plan versions so far (a resumed run goes on counting)
+        self.step = 0  # optimizer steps done (the checkpoint's, after a roll-back)
+        self.lost: list[str] = []  # peers left out of every later plan
+        self.replans = 0
+        self.checkpoint: Checkpoint | None = None
+        self.policy = CheckpointPolicy(job.checkpoint_every)
+        self.submitted: SubmittedJob | None = None
+        self.pipeline: Pipeline | None = None
+        self.running_id = ""  # the wire id of the last plan set up (what a re-plan replaces)
+        self.clock = self._new_clock(0.0)
+        self._batches: Iterator[list[tuple[torch.Tensor, torch.Tensor]]] = iter(())
+
+    # ------------------------------------------------------------------ plans
+    @property
+    def wire_id(self) -> str:
+        return plan_job_id(self.run_id, self.version)
+
+    @property
+    def stage_peers(self) -> list[str]:
+        """Owners of the runtime stages 1.. (stage 0 is this process)."""
+        return [p.peer_id for p in self.pipeline.peers] if self.pipeline is not None else []
+
+    def _new_clock(self, estimate_s: float) -> StepClock:
+        job = self.job
+        return StepClock(
+            deadline_s=job.deadline_s,
+            slack=job.deadline_slack,
+            factor=job.straggler_factor,
+            patience=job.straggler_steps,
+            min_excess_s=job.straggler_min_s,
+            estimate_s=estimate_s,
+        )
+
+    def start(self, checkpoint: Checkpoint | None = None) -> SubmittedJob:
+        """Plans the job and sets it up, from ``checkpoint`` if given (a resumed run)."""
+        self.checkpoint = checkpoint
+        self.step = checkpoint.step if checkpoint is not None else 0
+        self._plan_and_setup(checkpoint.load() if checkpoint is not None else None)
+        self._rewind(self.step)
+        assert self.submitted is not None
+        return self.submitted
+
+    def _plan_and_setup(
+        self, state: dict[str, torch.Tensor] | None, speeds: tuple[tuple[str, float], ...] = ()
+    ) -> None:
+        replaces = self.running_id
+        self.version += 1
+        submitted = self.swarm.submit(
+            self.job,
+            registry=self.registry,
+            run_id=self.wire_id,
+            replaces=replaces,
+            exclude=tuple(self.lost),
+            speeds=speeds,
+        )
+        self.pipeline = None
+        self.pipeline = self.swarm.pipeline(
+            self.job.model_spec(),
+            plan=submitted.plan,
+            optimizer=self.job.optimizer_config,
+            registry=self.registry,
+            epoch=submitted.epoch,
+            job=submitted.run_id,
+            initial_state=state,
+        )
+        self.submitted = submitted
+        self.running_id = submitted.run_id
+        self.clock = self._new_clock(submitted.plan.iteration_s)
+        self.events.emit(
+            "planned",
+            f"plan version {self.version} (job {submitted.run_id}, epoch {submitted.epoch}, coordinator "
+            f"{submitted.reply.coordinator[-8:]}): stages on {[p[-8:] for p in self.stage_peers]}, "
+            f"from step {self.step}",
+            step=self.step,
+            plan_version=self.version,
+            epoch=submitted.epoch,
+            coordinator=submitted.reply.coordinator,
+            peers=self.stage_peers,
+        )
+
+    def _rewind(self, step: int) -> None:
+        """The data from ``step`` on: the same batches an uninterrupted run would see."""
+        job = self.job
+        self._batches = self.corpus.batches(job.micro_batch_size, job.n_micro_batches, seed=job.data_seed)
+        for _ in range(step):
+            next(self._batches)
+
+    # ------------------------------------------------------------------ steps
+    def train_step(self) -> tuple[float, float]:
+        """One step on the plan in force: (loss, seconds).
+
+        Raises:
+            StepFailed: a stage failed, is gone, or the step passed its deadline.
+        """
+        assert self.pipeline is not None
+        batches = next(self._batches)
+        began = time.perf_counter()
+        try:
+            loss = self.pipeline.train_step(batches, timeout=self.clock.deadline())
+        except FusionP2PError as e:
+            raise StepFailed(e) from e
+        took = time.perf_counter() - began
+        self.step += 1
+        self.clock.observe(took, self.pipeline.stage_seconds())
+        return loss, took
+
+    def fetch_state(self) -> dict[str, torch.Tensor]:
+        """Every stage's tensors and optimizer state.
+
+        Raises:
+            StepFailed: a stage failed or did not answer within the step deadline.
+        """
+        assert self.pipeline is not None
+        try:
+            return self.pipeline.fetch("state", timeout=self.clock.deadline())
+        except FusionP2PError as e:
+            raise StepFailed(e) from e
+
+    def maybe_checkpoint(self, *, force: bool = False) -> float | None:
+        """Checkpoints after this step if it is due (or ``force``); its cost in seconds.
+
+        Raises:
+            StepFailed: fetching the state failed.
+        """
+        last = self.checkpoint.step if self.checkpoint is not None else 0
+        if not force and not self.policy.due(self.step, last):
+            return None
+        began = time.perf_counter()
+        state = self.fetch_state()
+        assert self.submitted is not None
+        self.checkpoint = save_checkpoint(
+            self.run_dir, self.step, state, plan_version=self.version, epoch=self.submitted.epoch
+        )
+        cost = time.perf_counter() - began
+        step_s = self.clock.expected_s or (self.clock.steps[-1] if self.clock.steps else 0.0)
+        self.policy.measured(cost, step_s)
+        logger.info("checkpoint of step %d in %.2f s (next in %d steps)", self.step, cost, self.policy.period)
+        return cost
+
+    # ------------------------------------------------------------------ faults
+    def _close(self) -> None:
+        if self.pipeline is None:
+            return
+        pipeline, self.pipeline = self.pipeline, None
+        try:
+            pipeline.close(teardown_timeout=TEARDOWN_TIMEOUT_S)
+        except Exception as e:  # the job is being abandoned: a failing teardown changes nothing
+            logger.info("closing plan version %d: %s", self.version, e)
+
+    def recover(self, failure: StepFailed) -> None:
+        """Re-plans around the stage owners that no longer answer and rolls back to the
+        latest checkpoint (see the module doc).
+
+        Raises:
+            CoordinatorError / SwarmError / PlanningError: no new plan within
+                ``REPLAN_PATIENCE_S`` s, or ``max_replans`` re-plans already.
+        """
+        failed_step = self.step + 1
+        silent = self.pipeline.unresponsive(PING_TIMEOUT_S) if self.pipeline is not None else []
+        lost = [p for p in silent if p not in self.lost]
+        who = ", ".join(p[-8:] for p in lost) or "none (every stage owner answers)"
+        self.events.emit(
+            "peer_lost" if lost else "step_failed",
+            f"step {failed_step} failed on plan version {self.version} ({str(failure)[:200]}); "
+            f"stage owners not answering: {who}",
+            step=failed_step,
+            plan_version=self.version,
+            lost=lost,
+            error=str(failure)[:500],
+        )
+        self.lost.extend(lost)
+        self._close()
+        restored = self.checkpoint.step if self.checkpoint is not None else 0
+        state = self.checkpoint.load() if self.checkpoint is not None else None
+        self._replan(state, reason=f"{len(lost)} lost peer(s)")
+        redone = self.step - restored
+        self.step = restored
+        self._rewind(restored)
+        self.events.emit(
+            "restored",
+            f"restored the checkpoint of step {restored} on plan version {self.version}: "
+            f"{redone} step(s) to redo",
+            step=restored,
+            plan_version=self.version,
+            redone=redone,
+        )
+
+    def switch_for_straggler(self) -> None:
+        """Checkpoints now and re-plans with each stage's measured slowdown; no step is lost.
+
+        Raises:
+            StepFailed: the checkpoint failed (then ``recover`` handles it).
+        """
+        factors = self.clock.speed_factors()
+        peers = self.stage_peers
+        speeds = tuple(
+            (peers[i - 1], round(f, 4))
+            for i, f in enumerate(factors)
+            if i >= 1 and i - 1 < len(peers) and f < 1
+        )
+        slowest = min(speeds, key=lambda s: s[1]) if speeds else None
+        self.events.emit(
+            "straggler",
+            f"{self.clock.slow_in_row} steps in a row over {self.job.straggler_factor}x the plan's "
+            f"{self.clock.expected_s or 0:.2f} s"
+            + (f"; slowest stage owner {slowest[0][-8:]} at {slowest[1]:.2f}x its speed" if slowest else ""),
+            step=self.step,
+            plan_version=self.version,
+            speeds=dict(speeds),
+        )
+        self.maybe_checkpoint(force=True)
+        assert self.checkpoint is not None
+        state = self.checkpoint.load()
+        self._close()
+        self._replan(state, speeds=speeds, reason="a straggler")
+
+    def _replan(
+        self,
+        state: dict[str, torch.Tensor] | None,
+        *,
+        reason: str,
+        speeds: tuple[tuple[str, float], ...] = (),
+    ) -> None:
+        if self.replans >= self.job.max_replans:
+            raise CoordinatorError(f"giving up: {self.replans} re-plans already ([fault] max_replans)")
+        self.replans += 1
+        deadline = time.monotonic() + REPLAN_PATIENCE_S
+        while True:
+            began = time.perf_counter()
+            try:
+                self._plan_and_setup(state, speeds)
+                self.events.emit(
+                    "replanned",
+                    f"re-planned for {reason} in {time.perf_counter() - began:.1f} s",
+                    step=self.step,
+                    plan_version=self.version,
+                )
+                return
+            except (ConfigError, LimitError) as e:
+                raise CoordinatorError(f"the re-plan was refused: {e}") from e
+            except (FusionP2PError, PlanningError) as e:  # a failed setup tore itself down
+                if time.monotonic() > deadline:
+                    raise SwarmError(f"no new plan within {REPLAN_PATIENCE_S:.0f} s: {e}") from e
+                self.events.emit(
+                    "replan_failed",
+                    f"re-plan (version {self.version}) failed: {str(e)[:200]}; trying again",
+                    plan_version=self.version,
+                )
+                time.sleep(2.0)
+
+    def close(self) -> None:
+        """Tears the plan in force down (best effort)."""
+        self._close()
+
+
+def resumable(job: JobSpec) -> tuple[Path, Checkpoint] | None:
+    """The newest run of ``job`` (under ``job.run_dir``) that has a checkpoint."""
+    if not job.run_dir.is_dir():
+        return None
+    found = []
+    for run in job.run_dir.iterdir():
+        checkpoint = latest_checkpoint(run) if run.is_dir() else None
+        if checkpoint is not None:
+            found.append((checkpoint.path.stat().st_mtime, run, checkpoint))
+    if not found:
+        return None
+    _, run, checkpoint = max(found, key=lambda f: f[0])
+    return run, checkpoint
