@@ -8,6 +8,7 @@ training without interruption; that is what "nothing is lost" means here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from job_helpers import reference_losses
 
@@ -132,7 +134,7 @@ def test_a_stopped_stage_owner_is_planned_around_and_waking_up_corrupts_nothing(
         if row["step"] == 8 and not stopped:
             stopped["peer"] = _victim(row, client)
             stopped["index"] = _index(local, stopped["peer"])
-            stopped["at"] = time.monotonic()
+            stopped["at"] = time.time()  # events carry wall-clock time
             local.signal(stopped["index"], signal.SIGSTOP)
         elif row["plan_version"] >= 2 and "woke" not in stopped:  # it wakes up into the new plan's run
             stopped["woke"] = row["step"]
@@ -208,10 +210,10 @@ def test_a_killed_data_owner_resumes_from_its_checkpoint(
     )
     assert JobSpec.load(config) == job
     command = [sys.executable, "-m", "fusionp2p", "--log-level", "error", "train", "--config", str(config)]
-    command += ["--initial-peers", *local.initial_peers, "--no-progress"]
-    owner = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+    command += ["--swarm", local.swarm, "--initial-peers", *local.initial_peers, "--no-progress"]
+    daemons_before = _p2pd_pids()
+    log = (tmp_path / "owner.log").open("w")
+    owner = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
     try:
         deadline = time.monotonic() + 180
         runs: list[Path] = []
@@ -219,17 +221,20 @@ def test_a_killed_data_owner_resumes_from_its_checkpoint(
             runs = [d for d in job.run_dir.iterdir()] if job.run_dir.exists() else []
             if runs and max(_metrics_steps(runs[0]), default=0) >= 12:
                 break
-            assert owner.poll() is None, "the data owner ended before it was killed"
+            assert owner.poll() is None, (tmp_path / "owner.log").read_text()[-3000:]
             time.sleep(0.2)
         else:
             pytest.fail("the data owner did not reach step 12")
     finally:
-        os.killpg(owner.pid, signal.SIGKILL)  # the data owner and its DHT daemon, at once
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(owner.pid, signal.SIGKILL)  # the data owner and its DHT daemon, at once
         owner.wait()
+        log.close()
+    assert not _in_group(owner.pid)  # nothing of the killed data owner is left
     (run_dir,) = runs
     # its stage owners free the job on their own, and say so
     deadline = time.monotonic() + IDLE_S + 30
-    while not any("nothing from its owner" in p.log for p in local.peers if p.popen.poll() is None):
+    while not any("nothing from its owner" in p.log() for p in local.peers if p.popen.poll() is None):
         assert time.monotonic() < deadline, "no stage freed the dead data owner's job"
         time.sleep(1.0)
     done = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=240)
@@ -245,3 +250,17 @@ def test_a_killed_data_owner_resumes_from_its_checkpoint(
         losses[row["step"]] = row["loss"]
     _assert_same_training([losses[s] for s in range(1, job.steps + 1)], job)
     assert (run_dir / "weights.safetensors").is_file()
+    assert _p2pd_pids() <= daemons_before  # the resumed data owner's daemon is gone too
+
+
+def _p2pd_pids() -> set[int]:
+    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "p2pd"}
+
+
+def _in_group(pgid: int) -> list[int]:
+    out = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getpgid(proc.pid) == pgid:
+                out.append(proc.pid)
+    return out
