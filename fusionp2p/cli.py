@@ -21,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from fusionp2p import __version__
-from fusionp2p.cli_jobs import add_train_parser, cmd_train, format_jobs
+from fusionp2p.cli_jobs import add_train_parser, cmd_train, format_jobs, format_runs
 from fusionp2p.config import DEFAULT_SWARM, ExecLimits, PeerConfig, ProbeConfig, parse_bytes
 from fusionp2p.errors import ConfigError, FusionP2PError
 from fusionp2p.opdag.families import BUILTIN_FAMILIES
@@ -322,7 +322,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     with Swarm(args.initial_peers, swarm=args.swarm) as swarm:
         peers, links = swarm.peers(), swarm.links()
-        lease, plans = swarm.coordinator(), swarm.jobs()
+        lease, plans, runs = swarm.coordinator(), swarm.jobs(), swarm.runs()
     now = get_dht_time()
     if args.json:
         doc = status_json(args.swarm, peers, links, now)
@@ -331,11 +331,14 @@ def _cmd_status(args: argparse.Namespace) -> int:
             {"job": job, "epoch": epoch, "coordinator": by, "stages": [asdict(r) for r in stages]}
             for (job, epoch, by), stages in sorted(plans.items())
         ]
+        doc["runs"] = [asdict(r) for r in runs]
         print(json.dumps(doc, indent=2))
     else:
         print(format_status(peers, links, now))
         print()
         print(format_jobs(lease, plans, peers, now))
+        print()
+        print(format_runs(runs, now))
     return 0
 
 

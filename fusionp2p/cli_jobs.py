@@ -12,9 +12,9 @@ import argparse
 from typing import Any
 
 from fusionp2p.errors import ConfigError
-from fusionp2p.records import LeaseRecord, PeerRecord, PlanStageRecord
+from fusionp2p.records import LeaseRecord, PeerRecord, PlanStageRecord, RunStatusRecord
 
-__all__ = ["add_train_parser", "cmd_train", "format_jobs"]
+__all__ = ["add_train_parser", "cmd_train", "format_jobs", "format_runs"]
 
 
 def add_train_parser(sub: Any, add_swarm_args: Any) -> None:
@@ -135,4 +135,17 @@ def format_jobs(
             rows.append(
                 f"    stage {r.stage} {r.peer_id[-8:]} {state:<8} {n_nodes:>4} nodes  {took:>12}  {ratios}"
             )
+    return "\n".join(rows)
+
+
+def format_runs(runs: list[RunStatusRecord], now: float) -> str:
+    """Each training run as its data owner last reported it: progress, plan, newest events."""
+    rows = [f"{len(runs)} training run(s)" + (":" if runs else "")]
+    for r in runs[:20]:
+        rows.append(
+            f"  run {r.run_id}: step {r.step}/{r.steps}, loss {r.loss:.3f}, plan v{r.plan_version} "
+            f"(job {r.job}, epoch {r.epoch}), {r.replans} re-plan(s), data owner {r.data_owner[-8:]}, "
+            f"reported {max(0.0, now - r.updated_at):.0f} s ago"
+        )
+        rows += [f"    {event}" for event in r.events]
     return "\n".join(rows)

@@ -28,12 +28,15 @@ __all__ = [
     "OPDATA_DIRECTIONS",
     "OPDATA_DTYPES",
     "PEER_STATES",
+    "RUN_EVENTS",
+    "RUN_EVENT_CHARS",
     "ExecControl",
     "LeaseRecord",
     "LinkRecord",
     "OpData",
     "PeerRecord",
     "PlanStageRecord",
+    "RunStatusRecord",
     "TopKHeader",
     "decode_record",
 ]
@@ -288,6 +291,35 @@ class LeaseRecord(_WireRecord):
             raise RecordError("LeaseRecord.valid_until is before granted_at")
 
 
+RUN_EVENTS = 3  # events a RunStatusRecord carries (the newest)
+RUN_EVENT_CHARS = 160
+
+
+@dataclass(frozen=True)
+class RunStatusRecord(_WireRecord):
+    """A training run as its data owner reports it: progress and its last fault events."""
+
+    KIND: ClassVar[str] = "run_status"
+
+    run_id: str  # the run (its plans' wire ids are this, then "<run>-p<version>")
+    data_owner: str  # base58 PeerID; must match the signer
+    job: str  # the wire id of the plan in force
+    step: int
+    steps: int
+    loss: float
+    plan_version: int
+    epoch: int
+    replans: int
+    events: tuple[str, ...]  # the newest RUN_EVENTS events, "<kind>: <message>", oldest first
+    updated_at: float  # DHT time
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.step <= self.steps or min(self.plan_version, self.epoch, self.replans) < 0:
+            raise RecordError(f"RunStatusRecord counters out of range (step {self.step} of {self.steps})")
+        if len(self.events) > RUN_EVENTS or any(len(e) > RUN_EVENT_CHARS for e in self.events):
+            raise RecordError(f"RunStatusRecord holds at most {RUN_EVENTS} events of {RUN_EVENT_CHARS} chars")
+
+
 @dataclass(frozen=True)
 class PlanStageRecord(_WireRecord):
     """One stage of a job's Plan: who runs which OP-DAG nodes, and each outgoing link's ratio."""
@@ -439,13 +471,31 @@ class ExecControl(_WireRecord):
 
 _KINDS: dict[str, type[_WireRecord]] = {
     cls.KIND: cls
-    for cls in (PeerRecord, LinkRecord, LeaseRecord, PlanStageRecord, TopKHeader, OpData, ExecControl)
+    for cls in (
+        PeerRecord,
+        LinkRecord,
+        LeaseRecord,
+        RunStatusRecord,
+        PlanStageRecord,
+        TopKHeader,
+        OpData,
+        ExecControl,
+    )
 }
 
 
 def decode_record(
     data: bytes | bytearray,
-) -> PeerRecord | LinkRecord | LeaseRecord | PlanStageRecord | TopKHeader | OpData | ExecControl:
+) -> (
+    PeerRecord
+    | LinkRecord
+    | LeaseRecord
+    | RunStatusRecord
+    | PlanStageRecord
+    | TopKHeader
+    | OpData
+    | ExecControl
+):
     """Decodes any known record by its ``kind`` field.
 
     Raises:

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import tempfile
 import threading
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
@@ -29,6 +32,7 @@ from fusionp2p.data_owner import plan_job, probe_from, self_record
 from fusionp2p.errors import ConfigError, DeadlineError, SwarmError
 from fusionp2p.net.dht_node import start_dht
 from fusionp2p.net.directory import SwarmDirectory
+from fusionp2p.net.identity import ensure_identity, load_signing_key
 from fusionp2p.net.transport import P2PTransport
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.spec import ModelSpec
@@ -36,7 +40,7 @@ from fusionp2p.opdag.split import Partition
 from fusionp2p.opdag.trace import trace_spec
 from fusionp2p.planning import CompressionPolicy, CostConfig, Plan, Topology, estimate_segments
 from fusionp2p.planning.estimate import Estimate
-from fusionp2p.records import LeaseRecord, LinkRecord, PeerRecord, PlanStageRecord
+from fusionp2p.records import LeaseRecord, LinkRecord, PeerRecord, PlanStageRecord, RunStatusRecord
 from fusionp2p.runtime.driver import PipelineDriver
 from fusionp2p.training.job_spec import JobSpec
 from fusionp2p.training.submit import SubmittedJob, submit_job
@@ -48,6 +52,17 @@ __all__ = ["Pipeline", "Swarm"]
 
 T = TypeVar("T")
 NO_COMPRESSION = CompressionPolicy(kind="none")
+
+
+def _start_signed_dht(initial_peers: Sequence[str]) -> tuple[Any, Any]:
+    """A client-mode DHT node with a fresh identity, and that identity's record signer; the
+    key file lives only while the daemon starts (nothing of it stays on disk)."""
+    with tempfile.TemporaryDirectory(prefix="fusionp2p-swarm-") as folder:
+        path = os.path.join(folder, "identity.key")
+        ensure_identity(path)
+        key = load_signing_key(path)
+        dht = start_dht(initial_peers=initial_peers, client_mode=True, identity_path=path, signing_key=key)
+        return dht, key
 
 
 async def _end_loop_tasks(p2p: P2P | None) -> None:
@@ -83,7 +98,7 @@ class Swarm:
         self._p2p: P2P | None = None  # this process's handle on the DHT's libp2p node, for streams
         try:
             asyncio.get_running_loop()
-            self._dht = start_dht(initial_peers=self.initial_peers, client_mode=True)
+            self._dht, key = _start_signed_dht(self.initial_peers)
         except RuntimeError:
             # sync use: hivemind's futures bind to the thread's current loop (creating one if
             # there is none, never closed); give them this Swarm's own loop, closed on close()
@@ -92,13 +107,14 @@ class Swarm:
             previous_loop = getattr(previous, "_loop", None)
             asyncio.set_event_loop(self._loop)
             try:
-                self._dht = start_dht(initial_peers=self.initial_peers, client_mode=True)
+                self._dht, key = _start_signed_dht(self.initial_peers)
             except BaseException:
                 self._loop.close()
                 raise
             finally:
                 asyncio.set_event_loop(previous_loop)
-        self._directory = SwarmDirectory(self._dht, swarm, timeout=timeout)
+        marker = RSASignatureValidator(key).local_public_key  # signs this data owner's run reports
+        self._directory = SwarmDirectory(self._dht, swarm, owner_marker=marker, timeout=timeout)
 
     # -- async API ---------------------------------------------------------------------
 
@@ -158,6 +174,10 @@ class Swarm:
     def coordinator(self) -> LeaseRecord | None:
         """Sync ``acoordinator``."""
         return self._run(self.acoordinator())
+
+    def runs(self) -> list[RunStatusRecord]:
+        """Training runs as their data owners last reported them (progress, newest events)."""
+        return self._run(self._directory.fetch_runs())
 
     def jobs(self) -> dict[tuple[str, int, str], list[PlanStageRecord]]:
         """Sync ``ajobs``."""

@@ -23,6 +23,7 @@ import psutil
 import pytest
 from job_helpers import reference_losses
 
+from fusionp2p.cli_jobs import format_runs
 from fusionp2p.launch import LocalSwarm
 from fusionp2p.swarm import Swarm
 from fusionp2p.training.job_spec import JobSpec
@@ -121,6 +122,15 @@ def test_a_killed_stage_owner_is_planned_around_from_the_last_checkpoint(
     final = [e for e in events if e["event"] == "planned"][-1]
     assert killed["peer"] not in final["peers"] and final["plan_version"] >= 2
     _assert_same_training(result.losses, job)
+    # what `fusionp2p status` shows: the run as its data owner reported it, with its last events
+    (report,) = [r for r in client.runs() if r.run_id == result.run_id]
+    assert (report.step, report.replans, report.plan_version) == (
+        job.steps,
+        result.replans,
+        final["plan_version"],
+    )
+    assert any(e.startswith("restored: ") for e in report.events)
+    assert f"run {result.run_id}: step {job.steps}/{job.steps}" in format_runs(client.runs(), time.time())
 
 
 def test_a_stopped_stage_owner_is_planned_around_and_waking_up_corrupts_nothing(

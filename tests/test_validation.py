@@ -9,9 +9,10 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.utils import get_dht_time
 
+from fusionp2p.errors import RecordError
 from fusionp2p.net.identity import ensure_identity, load_signing_key
 from fusionp2p.net.validation import make_validators
-from fusionp2p.records import LinkRecord, PeerRecord, TopKHeader
+from fusionp2p.records import LinkRecord, PeerRecord, RunStatusRecord, TopKHeader
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +126,32 @@ def test_rejects_bad_records_and_logs_a_protocol_error(keys, case, caplog) -> No
         "not_a_dht_record": "not a DHT record",
     }
     assert f"protocol error: rejected DHT record: {reason[case]}" in caplog.text
+
+
+def _run_report(data_owner: str, **overrides) -> RunStatusRecord:
+    fields = dict(
+        run_id="job-abc123",
+        data_owner=data_owner,
+        job="job-abc123-p2",
+        step=12,
+        steps=60,
+        loss=3.2,
+        plan_version=2,
+        epoch=1,
+        replans=1,
+        events=("peer_lost: step 13 failed", "restored: the checkpoint of step 10"),
+        updated_at=1.0,
+    )
+    fields.update(overrides)
+    return RunStatusRecord(**fields)
+
+
+def test_a_run_report_is_taken_only_from_its_data_owner(keys) -> None:
+    (alice, alice_key), (_mallory, mallory_key) = keys
+    assert _validator().validate(_signed(alice_key, _marker(alice_key), _run_report(alice).to_wire()))
+    forged = _signed(mallory_key, _marker(mallory_key), _run_report(alice).to_wire())
+    assert not _validator().validate(forged)
+    with pytest.raises(RecordError, match="at most 3 events"):
+        _run_report(alice, events=("x",) * 4)
+    with pytest.raises(RecordError, match="counters"):
+        _run_report(alice, step=61)

@@ -6,6 +6,7 @@ Layout (every value is one small signed record; DESIGN.md explains why values st
     {swarm}.links.{src}     subkey  b"{dst}" + owner marker      ->  LinkRecord (src -> dst)
     {swarm}.coordinator     subkey  b"{holder}" + owner marker   ->  LeaseRecord (a claim on the lease)
     {swarm}.plans           subkey  b"{job}.{epoch}.{stage}" + marker  ->  PlanStageRecord
+    {swarm}.runs            subkey  b"{run}" + owner marker      ->  RunStatusRecord (its data owner's report)
 
 Peers are spread over ``PEER_SHARDS`` keys so no single DHT value grows with the swarm;
 each link subkey expires on its own. A record only counts while it is unexpired, so a
@@ -24,7 +25,7 @@ import hivemind
 from hivemind.utils import get_dht_time
 
 from fusionp2p.errors import RecordError, SwarmError
-from fusionp2p.records import LeaseRecord, LinkRecord, PeerRecord, PlanStageRecord
+from fusionp2p.records import LeaseRecord, LinkRecord, PeerRecord, PlanStageRecord, RunStatusRecord
 
 __all__ = ["MAX_STORE_BYTES", "PEER_SHARDS", "SwarmDirectory"]
 
@@ -175,6 +176,21 @@ class SwarmDirectory:
             except RecordError as e:
                 logger.warning("protocol error: skipped a malformed LeaseRecord: %s", e)
         return leases
+
+    async def publish_run(self, record: RunStatusRecord, expiration: float) -> bool:
+        """Stores a data owner's report on its run (its own subkey)."""
+        subkey = record.run_id.encode() + self._signed()
+        return await self._store(f"{self.swarm}.runs", subkey, record.to_wire(), expiration)
+
+    async def fetch_runs(self) -> list[RunStatusRecord]:
+        """Every unexpired run report, newest first."""
+        runs = []
+        for data in (await self._get_dict(f"{self.swarm}.runs")).values():
+            try:
+                runs.append(RunStatusRecord.from_wire(data))
+            except RecordError as e:
+                logger.warning("protocol error: skipped a malformed RunStatusRecord: %s", e)
+        return sorted(runs, key=lambda r: -r.updated_at)
 
     async def publish_plan(self, records: Sequence[PlanStageRecord], expiration: float) -> int:
         """Stores a job's plan, one record per stage; returns how many stages were accepted."""

@@ -30,6 +30,7 @@ from fusionp2p.records import (
     LinkRecord,
     PeerRecord,
     PlanStageRecord,
+    RunStatusRecord,
     decode_record,
 )
 
@@ -69,6 +70,8 @@ def _speaker(record: object) -> str | None:
         return record.made_by
     if isinstance(record, LeaseRecord):
         return record.holder
+    if isinstance(record, RunStatusRecord):
+        return record.data_owner
     return None
 
 

@@ -28,10 +28,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from hivemind.utils import get_dht_time
 
 from fusionp2p.errors import ConfigError, CoordinatorError, FusionP2PError, LimitError, SwarmError
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.planning import PlanningError
+from fusionp2p.records import RUN_EVENT_CHARS, RUN_EVENTS, RunStatusRecord
 from fusionp2p.training.checkpoint import Checkpoint, latest_checkpoint, save_checkpoint
 from fusionp2p.training.corpus import TextCorpus
 from fusionp2p.training.job_spec import JobSpec
@@ -47,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 REPLAN_PATIENCE_S = 180.0  # how long a re-plan is retried (a coordinator may have to be elected)
 PING_TIMEOUT_S = 5.0
+REPORT_PERIOD_S = 5.0  # how often the run's progress goes to the DHT
+REPORT_TTL_S = 300.0  # a report outlives a dead data owner this long
 TEARDOWN_TIMEOUT_S = 3.0
 
 
@@ -93,6 +97,9 @@ class JobRun:
         self.running_id = ""  # the wire id of the last plan set up (what a re-plan replaces)
         self.clock = self._new_clock(0.0)
         self._batches: Iterator[list[tuple[torch.Tensor, torch.Tensor]]] = iter(())
+        self.loss = 0.0
+        self._reported = 0.0
+        events.on_event = lambda _: self.report(force=True)
 
     # ------------------------------------------------------------------ plans
     @property
@@ -331,6 +338,37 @@ class JobRun:
                     plan_version=self.version,
                 )
                 time.sleep(2.0)
+
+    def report(self, loss: float | None = None, *, force: bool = False) -> None:
+        """Publishes the run's progress and newest events to the DHT (``fusionp2p status``
+        shows them), at most every ``REPORT_PERIOD_S`` unless ``force``; never raises."""
+        if loss is not None:
+            self.loss = loss
+        now = time.monotonic()
+        if self.submitted is None or (not force and now - self._reported < REPORT_PERIOD_S):
+            return
+        self._reported = now
+        events = tuple(
+            f"{e['event']}: {e['message']}"[:RUN_EVENT_CHARS] for e in list(self.events.recent)[-RUN_EVENTS:]
+        )
+        try:
+            record = RunStatusRecord(
+                run_id=self.run_id,
+                data_owner=self.submitted.data_owner,
+                job=self.submitted.run_id,
+                step=min(self.step, self.job.steps),
+                steps=self.job.steps,
+                loss=float(self.loss),
+                plan_version=self.version,
+                epoch=self.submitted.epoch,
+                replans=self.replans,
+                events=events,
+                updated_at=get_dht_time(),
+            )
+            directory = self.swarm.directory
+            self.swarm.call(directory.publish_run(record, get_dht_time() + REPORT_TTL_S))
+        except Exception as e:  # a report is a courtesy: training goes on without it
+            logger.info("could not publish the run's status: %s", e)
 
     def close(self) -> None:
         """Tears the plan in force down (best effort)."""

@@ -8,8 +8,9 @@ Pure bookkeeping, no I/O but the event log, so each rule can be tested by itself
   step time. A step's deadline is ``max(deadline_s, slack x expected)`` (before
   calibration: ``3 x deadline_s`` or ``slack x`` the plan's estimate, whichever is more);
   ``straggling()`` is true once ``patience`` steps in a row took more than ``factor x``
-  the expected time (and at least ``min_excess_s`` more: jitter is no straggler), and ``speed_factors()`` then says, per stage, how much slower it
-  computes now than in the calibration steps (what the coordinator re-plans with).
+  the expected time (and at least ``min_excess_s`` more: jitter is no straggler), and
+  ``speed_factors()`` then says, per stage, how much slower it computes now than in the
+  calibration steps (what the coordinator re-plans with).
 - ``CheckpointPolicy``: every ``every`` steps, or, when ``every`` is 0, often enough that
   a checkpoint's measured cost stays within 10% of the steps between two of them.
 - ``EventLog``: every fault-handling event is one log line, one printed line and one
@@ -45,7 +46,9 @@ class StepClock:
     slack: float
     factor: float
     patience: int
-    min_excess_s: float = 1.0  # a slow step is also at least this many seconds over (noise is not a straggler)
+    min_excess_s: float = (
+        1.0  # a slow step is also at least this many seconds over (noise is not a straggler)
+    )
     estimate_s: float = 0.0  # the cost model's step time for the plan
     warmup: int = 2  # first steps of a plan not used for calibration (lazy allocation, caches)
     window: int = 3  # steps whose median calibrates the plan
@@ -132,6 +135,7 @@ class EventLog:
         self.path = path
         self.out = out
         self.recent: deque[dict[str, Any]] = deque(maxlen=keep)
+        self.on_event: Callable[[dict[str, Any]], Any] | None = None  # e.g. publish the run's status
 
     def emit(self, kind: str, message: str, **fields: Any) -> dict[str, Any]:
         """Records event ``kind`` (e.g. ``peer_lost``, ``replanned``) described by ``message``."""
@@ -142,6 +146,8 @@ class EventLog:
             f.write(json.dumps(row, default=str) + "\n")
         if self.out is not None:
             self.out(f"[{kind}] {message}")
+        if self.on_event is not None:
+            self.on_event(row)
         return row
 
     @staticmethod

@@ -285,6 +285,7 @@ def train(
                 if checkpoint_s is not None:
                     row["checkpoint_s"] = checkpoint_s
                 metrics.write(row)
+                run.report(loss, force=run.step == job.steps)
                 bar.n = run.step
                 bar.set_postfix_str(
                     f"loss {loss:.3f}, {row['tokens_per_s']:.0f} tok/s, plan v{run.version}, "
