@@ -61,7 +61,13 @@ def _start_signed_dht(initial_peers: Sequence[str]) -> tuple[Any, Any]:
         path = os.path.join(folder, "identity.key")
         ensure_identity(path)
         key = load_signing_key(path)
-        dht = start_dht(initial_peers=initial_peers, client_mode=True, identity_path=path, signing_key=key)
+        dht = start_dht(
+            initial_peers=initial_peers,
+            client_mode=True,
+            identity_path=path,
+            signing_key=key,
+            fresh_identity=True,
+        )
         return dht, key
 
 

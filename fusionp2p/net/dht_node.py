@@ -43,8 +43,11 @@ def start_dht(
     identity_path: str | None = None,
     signing_key: object | None = None,
     client_mode: bool = False,
+    fresh_identity: bool = False,
 ) -> hivemind.DHT:
     """Starts a DHT node with fusionp2p's record validators and a parent watchdog.
+    ``fresh_identity``: ``identity_path`` was just generated, so hivemind need not check
+    (with a second daemon) that no other peer uses it.
 
     Raises:
         SwarmError: p2pd could not start or no initial peer answered.
@@ -54,6 +57,7 @@ def start_dht(
         kwargs["announce_maddrs"] = list(announce_maddrs)
     if identity_path is not None:
         kwargs["identity_path"] = identity_path
+        kwargs["check_if_identity_free"] = not fresh_identity
     try:
         dht = hivemind.DHT(
             initial_peers=list(initial_peers) or None,
