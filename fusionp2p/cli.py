@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fusionp2p import __version__
 from fusionp2p.cli_jobs import add_train_parser, cmd_train, format_jobs, format_runs
@@ -26,6 +27,9 @@ from fusionp2p.config import DEFAULT_SWARM, ExecLimits, PeerConfig, ProbeConfig,
 from fusionp2p.errors import ConfigError, FusionP2PError
 from fusionp2p.opdag.families import BUILTIN_FAMILIES
 from fusionp2p.records import LinkRecord, PeerRecord
+
+if TYPE_CHECKING:
+    from fusionp2p.launch import LocalSwarm
 
 __all__ = ["main"]
 
@@ -299,7 +303,7 @@ def format_status(peers: list[PeerRecord], links: list[LinkRecord], now: float) 
             cells.append(
                 f"{'-' if src == dst else '?':>16}"
                 if lk is None
-                else f"{f'{lk.bandwidth_bps / 1e6:.1f} / {lk.rtt_s * 1e3:.2f}':>16}"
+                else f"{f'{lk.bandwidth_bytes_per_s / 1e6:.1f} / {lk.rtt_s * 1e3:.2f}':>16}"
             )
         rows.append(f"{_short(src):<10} " + " ".join(cells))
     return "\n".join(rows)
@@ -454,42 +458,53 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_local(args: argparse.Namespace) -> int:
-    from hivemind.utils import get_dht_time
-
     from fusionp2p.launch import LocalSwarm
-    from fusionp2p.swarm import Swarm
 
     n = args.peers
     print(f"starting a local swarm of {n} peers on loopback...", flush=True)
     fast = ["--heartbeat", "2", "--record-ttl", "10", "--probe-period", "3"]
+    interrupted = False
     with LocalSwarm(n, peer_args=[fast] * n, log_level="warning") as local:
-        print(f"all {n} peers joined; swarm address: {' '.join(local.initial_peers)}", flush=True)
-        with Swarm(local.initial_peers, swarm=local.swarm) as swarm:
-            deadline = time.monotonic() + args.timeout
-            while True:
-                peers, links = swarm.peers(), swarm.links()
-                print(
-                    f"\r  {len(peers)}/{n} peers visible, {len(links)}/{n * (n - 1)} links measured",
-                    end="",
-                    flush=True,
-                )
-                if len(peers) == n and len(links) == n * (n - 1):
-                    break
-                if time.monotonic() > deadline:
-                    print()
-                    raise FusionP2PError(
-                        f"the local swarm did not form within {args.timeout} s; "
-                        f"peer logs are in {local.workdir}"
-                    )
-                time.sleep(1.0)
-            print("\n")
-            print(format_status(peers, links, get_dht_time()), flush=True)
-            if args.duration > 0:
-                print(f"\nkeeping the swarm up for {args.duration:.0f} s (Ctrl-C to stop)...")
-                time.sleep(args.duration)
+        try:
+            _watch_local(local, n, args)
+        except KeyboardInterrupt:  # Ctrl-C: the peers still leave in order, and we say so
+            interrupted = True
+            print("\ninterrupted (Ctrl-C)", flush=True)
         print("\nstopping the local swarm...", flush=True)
-    print("done: every peer left and no process is left behind.")
-    return 0
+    print("done: every peer left and no process is left behind.", flush=True)
+    return 130 if interrupted else 0
+
+
+def _watch_local(local: LocalSwarm, n: int, args: argparse.Namespace) -> None:
+    """Waits until the local swarm's peers and links are all visible, shows them, and keeps
+    it up for ``--duration`` seconds."""
+    from hivemind.utils import get_dht_time
+
+    from fusionp2p.swarm import Swarm
+
+    print(f"all {n} peers joined; swarm address: {' '.join(local.initial_peers)}", flush=True)
+    with Swarm(local.initial_peers, swarm=local.swarm) as swarm:
+        deadline = time.monotonic() + args.timeout
+        while True:
+            peers, links = swarm.peers(), swarm.links()
+            print(
+                f"\r  {len(peers)}/{n} peers visible, {len(links)}/{n * (n - 1)} links measured",
+                end="",
+                flush=True,
+            )
+            if len(peers) == n and len(links) == n * (n - 1):
+                break
+            if time.monotonic() > deadline:
+                print()
+                raise FusionP2PError(
+                    f"the local swarm did not form within {args.timeout} s; peer logs are in {local.workdir}"
+                )
+            time.sleep(1.0)
+        print("\n")
+        print(format_status(peers, links, get_dht_time()), flush=True)
+        if args.duration > 0:
+            print(f"\nkeeping the swarm up for {args.duration:.0f} s (Ctrl-C to stop)...", flush=True)
+            time.sleep(args.duration)
 
 
 def main(argv: list[str] | None = None) -> int:

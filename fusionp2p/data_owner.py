@@ -70,7 +70,7 @@ async def probe_from(
             LinkRecord(
                 src=transport.peer_id,
                 dst=peer.peer_id,
-                bandwidth_bps=sample.bandwidth_bps,
+                bandwidth_bytes_per_s=sample.bandwidth_bytes_per_s,
                 rtt_s=sample.rtt_s,
                 measured_at=get_dht_time(),
             )

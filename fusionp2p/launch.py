@@ -3,7 +3,8 @@
 Used by the demo and the integration tests. Every peer is a real process with its own
 DHT node and p2pd on loopback. ``stop()`` (also on ``__exit__``) ends them with SIGTERM,
 then SIGKILL after a grace period, and finally ends any descendant (DHT process, p2pd)
-still alive, by PID, so no run leaves processes behind.
+still alive, by PID, so no run leaves processes behind; the unix sockets of peers that
+were killed, and the work directory it made, go too.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 import psutil
 
 from fusionp2p.errors import SwarmError
+from fusionp2p.net.sockets import daemon_sockets, listening_sockets, remove_stale
 
 __all__ = ["LocalSwarm", "PeerProcess"]
 
@@ -42,6 +44,7 @@ class PeerProcess:
     peer_id: str = ""
     multiaddrs: list[str] = field(default_factory=list)
     descendants: dict[int, psutil.Process] = field(default_factory=dict)
+    sockets: set[Path] = field(default_factory=set)  # its p2pd's unix sockets, removed if left dead
 
     def log(self) -> str:
         """Everything the peer wrote to stdout/stderr so far."""
@@ -49,8 +52,12 @@ class PeerProcess:
 
     def remember_descendants(self) -> None:
         with contextlib.suppress(psutil.Error):
-            for child in psutil.Process(self.popen.pid).children(recursive=True):
+            me = psutil.Process(self.popen.pid)
+            self.sockets |= listening_sockets(me)
+            for child in me.children(recursive=True):
                 self.descendants.setdefault(child.pid, child)
+                with contextlib.suppress(psutil.Error):
+                    self.sockets |= daemon_sockets(child.cmdline()) | listening_sockets(child)
 
 
 class LocalSwarm:
@@ -188,6 +195,7 @@ class LocalSwarm:
                 logger.warning("ending leftover process %d (%s)", proc.pid, proc.name())
                 with contextlib.suppress(psutil.Error):
                     proc.kill()
+        remove_stale(path for peer in self.peers for path in peer.sockets)  # a SIGKILLed peer's
         self._clean_workdir(keep_logs)
 
     def _clean_workdir(self, keep_logs: bool) -> None:

@@ -33,6 +33,7 @@ from fusionp2p.net.directory import SwarmDirectory
 from fusionp2p.net.identity import ensure_identity, load_signing_key
 from fusionp2p.net.limits import StreamGate
 from fusionp2p.net.probe import PROBE_PROTOCOL, LinkEstimator, probe_link, serve_probe
+from fusionp2p.net.sockets import hivemind_sockets, remove_stale
 from fusionp2p.net.transport import P2PTransport, RateLimitedTransport, Transport
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.records import PeerRecord
@@ -43,6 +44,8 @@ from fusionp2p.runtime.service import ExecutorService, ServicePolicy
 __all__ = ["Peer"]
 
 logger = logging.getLogger(__name__)
+
+STALE_SOCKET_AGE_S = 60.0  # a dead hivemind socket at least this old is removed when a peer starts
 
 
 class Peer:
@@ -88,22 +91,30 @@ class Peer:
             ProfileError: the device could not be measured.
         """
         registry = ModelRegistry(allow=config.allow_models)  # the operator's choice; fails early
+        remove_stale(hivemind_sockets(), min_age_s=STALE_SOCKET_AGE_S)  # left by killed peers before
         tmpdir = None
         identity_path = config.identity_path
         if identity_path is None:
             tmpdir = tempfile.mkdtemp(prefix="fusionp2p-")
             identity_path = os.path.join(tmpdir, "identity.key")
-        ensure_identity(identity_path)
-        signing_key = load_signing_key(identity_path)
-        device = resolve_device(config.device)
-        profile = await asyncio.to_thread(profile_device, device, flops_override=config.flops_override)
-        dht = start_dht(
-            initial_peers=config.initial_peers,
-            host_maddrs=config.host_maddrs,
-            announce_maddrs=config.announce_maddrs,
-            identity_path=identity_path,
-            signing_key=signing_key,
-        )
+        fresh = not os.path.exists(identity_path)  # made now: no other peer can be using it
+        try:
+            ensure_identity(identity_path)
+            signing_key = load_signing_key(identity_path)
+            device = resolve_device(config.device)
+            profile = await asyncio.to_thread(profile_device, device, flops_override=config.flops_override)
+            dht = start_dht(
+                initial_peers=config.initial_peers,
+                host_maddrs=config.host_maddrs,
+                announce_maddrs=config.announce_maddrs,
+                identity_path=identity_path,
+                signing_key=signing_key,
+                fresh_identity=fresh,
+            )
+        except BaseException:  # an ephemeral identity never outlives a failed start
+            if tmpdir:
+                shutil.rmtree(tmpdir, ignore_errors=True)
+            raise
         try:
             transport: Transport = P2PTransport(await dht.replicate_p2p())
             if config.upload_limit_mbps is not None:
@@ -209,7 +220,7 @@ class Peer:
             torch_version=self.profile.torch_version,
             fusionp2p_version=__version__,
             executors=self.profile.executors,
-            upload_limit_bps=limit,
+            upload_limit_bytes_per_s=limit,
             job=next(iter(jobs), "")[:64],
             stage_s=max((j.last_step_s for j in jobs.values()), default=0.0),
         )
@@ -275,7 +286,7 @@ class Peer:
             logger.debug(
                 "link -> %s: %.1f MB/s, rtt %.2f ms (%d bytes)",
                 dst[:12],
-                sample.bandwidth_bps / 1e6,
+                sample.bandwidth_bytes_per_s / 1e6,
                 sample.rtt_s * 1e3,
                 nbytes,
             )

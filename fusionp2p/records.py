@@ -209,6 +209,7 @@ class PeerRecord(_WireRecord):
     """A peer's measured profile and addresses, refreshed by its heartbeat."""
 
     KIND: ClassVar[str] = "peer"
+    VERSION: ClassVar[int] = 2  # 2: units in the field names (upload_limit_bytes_per_s); job, stage_s
 
     peer_id: str  # base58 libp2p PeerID; must match the key that signed the record
     maddrs: tuple[str, ...]  # multiaddrs others can dial
@@ -223,7 +224,7 @@ class PeerRecord(_WireRecord):
     torch_version: str = ""
     fusionp2p_version: str = ""
     executors: tuple[str, ...] = ("torch",)  # execution engines this peer offers
-    upload_limit_bps: float = 0.0  # declared cap on outgoing bytes/s, 0 for none
+    upload_limit_bytes_per_s: float = 0.0  # declared cap on outgoing bytes/s, 0 for none
     job: str = ""  # the job whose stage it runs, while training
     stage_s: float = 0.0  # that stage's compute seconds in its last iteration
 
@@ -238,8 +239,10 @@ class PeerRecord(_WireRecord):
             )
         if any(v <= 0 for v in self.flops.values()) or "float32" not in self.flops:
             raise RecordError(f"PeerRecord.flops needs a positive 'float32' entry, got {self.flops}")
-        if self.upload_limit_bps < 0:
-            raise RecordError(f"PeerRecord.upload_limit_bps must be >= 0, got {self.upload_limit_bps}")
+        if self.upload_limit_bytes_per_s < 0:
+            raise RecordError(
+                f"PeerRecord.upload_limit_bytes_per_s must be >= 0, got {self.upload_limit_bytes_per_s}"
+            )
 
     @property
     def fp32_flops(self) -> float:
@@ -252,10 +255,11 @@ class LinkRecord(_WireRecord):
     """One measured direction of one link: ``src`` sending to ``dst``."""
 
     KIND: ClassVar[str] = "link"
+    VERSION: ClassVar[int] = 2  # 2: units in the field names (bandwidth_bytes_per_s)
 
     src: str  # base58 PeerID of the measuring (sending) peer; must match the signer
     dst: str  # base58 PeerID of the receiving peer
-    bandwidth_bps: float  # smoothed goodput in bytes per second
+    bandwidth_bytes_per_s: float  # smoothed goodput in bytes per second
     rtt_s: float  # smoothed round-trip time in seconds
     measured_at: float  # DHT time of the latest probe
     samples: int = 1  # probes folded into the smoothed values
@@ -264,9 +268,9 @@ class LinkRecord(_WireRecord):
     def __post_init__(self) -> None:
         if not self.src or not self.dst or self.src == self.dst:
             raise RecordError(f"LinkRecord needs two distinct peers, got {self.src!r} -> {self.dst!r}")
-        if self.bandwidth_bps <= 0 or self.rtt_s < 0:
+        if self.bandwidth_bytes_per_s <= 0 or self.rtt_s < 0:
             raise RecordError(
-                f"LinkRecord needs bandwidth > 0 and rtt >= 0, got {self.bandwidth_bps}, {self.rtt_s}"
+                f"LinkRecord needs bandwidth > 0 and rtt >= 0, got {self.bandwidth_bytes_per_s}, {self.rtt_s}"
             )
         if self.samples < 1:
             raise RecordError(f"LinkRecord.samples must be >= 1, got {self.samples}")

@@ -137,7 +137,7 @@ def _peer(peer_id: str) -> PeerRecord:
 
 def test_a_job_request_speaks_only_for_its_sender() -> None:
     spec = ModelSpec("gpt2", {"n_layer": 1, "n_embd": 8, "n_head": 2, "vocab_size": 256}, input_shape=(1, 8))
-    link = LinkRecord(src=A, dst=B, bandwidth_bps=1e6, rtt_s=0.01, measured_at=0.0)
+    link = LinkRecord(src=A, dst=B, bandwidth_bytes_per_s=1e6, rtt_s=0.01, measured_at=0.0)
     request = JobRequest("job-1", spec, 2, "none", "op-fence", _peer(A), (link,))
     back = JobRequest.from_json(request.to_json(), sender=A)
     assert back == request

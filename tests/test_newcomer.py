@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import asdict
 from pathlib import Path
 
+import psutil
 import pytest
 
+from fusionp2p.launch import LocalSwarm
 from fusionp2p.planning import synthetic_swarm
 
 
@@ -87,3 +92,100 @@ def test_a_swarm_file_of_the_wrong_shape_names_the_field(tmp_path: Path, doc: di
 def test_initial_peers_are_checked_before_anything_starts(command: str, maddr: str, says: str) -> None:
     line = _one_error_line(_cli(command, "--initial-peers", maddr), command)
     assert "--initial-peers: " in line and says in line
+
+
+def _litter() -> set[str]:
+    """What fusionp2p and hivemind may leave in the temp directories: work directories with
+    identity keys, daemon sockets."""
+    folders = {Path(tempfile.gettempdir()), Path("/tmp")}
+    return {
+        str(p)
+        for folder in folders
+        for p in folder.iterdir()
+        if p.name.startswith(("fusionp2p-", "hivemind-p2pd-", "hivemind-p2pclient-"))
+    }
+
+
+DEAD_PEER = "/ip4/127.0.0.1/tcp/1/p2p/QmNreLokPPafd6BNEJzTs2fHVv9j9ycNKvDVv3nVAtRfzF"
+
+
+@pytest.mark.parametrize("command", ["peer", "status"])
+def test_a_failed_start_leaves_nothing_in_the_temp_directory(command: str) -> None:
+    before = _litter()
+    done = _cli(command, "--initial-peers", DEAD_PEER)
+    assert "could not start the DHT node" in _one_error_line(done, command)
+    assert _litter() <= before  # no identity key, no daemon socket
+
+
+def test_a_local_swarm_stopped_with_ctrl_c_says_so_and_leaves_nothing() -> None:
+    before = _litter()
+    local = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fusionp2p",
+            "--log-level",
+            "error",
+            "local",
+            "--peers",
+            "2",
+            "--duration",
+            "120",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert local.stdout is not None
+        deadline = time.monotonic() + 120
+        lines = []
+        while time.monotonic() < deadline:
+            line = local.stdout.readline()
+            lines.append(line)
+            if "keeping the swarm up" in line or not line:
+                break
+        assert "keeping the swarm up" in lines[-1], "".join(lines)
+        children = psutil.Process(local.pid).children(recursive=True)
+        local.send_signal(signal.SIGINT)  # what Ctrl-C sends the command (the peers get theirs from it)
+        rest, _ = local.communicate(timeout=60)
+    finally:
+        if local.poll() is None:
+            local.kill()
+            local.wait()
+    assert local.returncode == 130
+    assert (
+        "interrupted (Ctrl-C)" in rest
+        and "stopping the local swarm" in rest
+        and "done: every peer left" in rest
+    )
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert _litter() <= before
+
+
+def test_a_killed_local_peer_leaves_no_socket(tmp_path: Path) -> None:
+    before = _litter()
+    with LocalSwarm(2, swarm="litter") as local:
+        local.signal(1, signal.SIGKILL)
+        local.peers[1].popen.wait(10)
+    assert _litter() <= before
+
+
+def test_the_demo_path_leaves_nothing_in_the_temp_directory(tmp_path: Path) -> None:
+    config = tmp_path / "job.toml"
+    config.write_text(
+        'name = "litter"\n[model.config]\nvocab_size = 256\nn_positions = 16\nn_embd = 16\nn_layer = 1\n'
+        "n_head = 2\n[data]\nseq_len = 16\nmax_bytes = 20000\n[train]\nsteps = 2\nbatch_size = 2\n"
+        f'micro_batch_size = 1\nmin_peers = 2\n[output]\ndir = "{tmp_path / "runs"}"\n'
+    )
+    before = _litter()
+    command = [sys.executable, "-m", "fusionp2p", "--log-level", "error", "train", "--local", "2"]
+    done = subprocess.run(
+        [*command, "--config", str(config), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "trained 2 steps" in done.stdout and "no peer process is left" in done.stdout
+    assert _litter() <= before

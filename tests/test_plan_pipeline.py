@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from collections.abc import Iterator
 
@@ -155,3 +156,9 @@ def test_opdata_of_another_plan_version_is_dropped(swarm: Swarm) -> None:
 
         assert "plan version 6" in swarm.call(send())
         assert len(pipe.run_iteration(_batches(GPT2, 0))) == N_MB  # the job itself goes on
+        pipe.step()
+        wrong = [(x[:, :-1], y[:, :-1]) for x, y in _batches(GPT2, 1)]  # one token short
+        expected = re.escape(str(list(GPT2.input_shape)))
+        with pytest.raises(ConfigError, match=rf"micro-batch 0: inputs of shape .* traced for {expected}"):
+            pipe.run_iteration(wrong)
+        assert len(pipe.run_iteration(_batches(GPT2, 1))) == N_MB  # refused before anything was sent

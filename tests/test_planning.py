@@ -154,7 +154,7 @@ def _records(n: int, links: list[tuple[int, int, float]]) -> tuple[list[PeerReco
         for i in range(n)
     ]
     return peers, [
-        LinkRecord(src=f"p{a}", dst=f"p{b}", bandwidth_bps=bw, rtt_s=0.02, measured_at=0)
+        LinkRecord(src=f"p{a}", dst=f"p{b}", bandwidth_bytes_per_s=bw, rtt_s=0.02, measured_at=0)
         for a, b, bw in links
     ]
 

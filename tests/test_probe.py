@@ -31,7 +31,7 @@ def test_probe_measures_a_rate_limited_link_within_20_percent(rate: float) -> No
         return await probe_link(limited, "QmB", nbytes=int(rate * 0.5), ping_count=3, timeout=10)
 
     sample = asyncio.run(run())
-    assert abs(sample.bandwidth_bps - rate) / rate < 0.2, sample
+    assert abs(sample.bandwidth_bytes_per_s - rate) / rate < 0.2, sample
     assert sample.rtt_s >= 0
 
 
@@ -61,7 +61,7 @@ def test_probe_server_rejects_a_probe_over_its_byte_limit_and_keeps_serving() ->
 
 
 def _sample(bw: float, rtt: float = 0.01) -> LinkSample:
-    return LinkSample(bandwidth_bps=bw, rtt_s=rtt, nbytes=1, seconds=1.0)
+    return LinkSample(bandwidth_bytes_per_s=bw, rtt_s=rtt, nbytes=1, seconds=1.0)
 
 
 def test_estimator_smooths_and_sizes_probes() -> None:
@@ -71,9 +71,9 @@ def test_estimator_smooths_and_sizes_probes() -> None:
     est = LinkEstimator("QmA", config)
     assert est.next_probe_bytes("QmB") == 2000
     first = est.update("QmB", _sample(100e6, 0.02), now=10.0)
-    assert (first.bandwidth_bps, first.rtt_s, first.samples) == (100e6, 0.02, 1)
+    assert (first.bandwidth_bytes_per_s, first.rtt_s, first.samples) == (100e6, 0.02, 1)
     second = est.update("QmB", _sample(50e6, 0.04), now=20.0)
-    assert second.bandwidth_bps == pytest.approx(75e6)
+    assert second.bandwidth_bytes_per_s == pytest.approx(75e6)
     assert second.rtt_s == pytest.approx(0.03)
     assert second.samples == 2 and second.measured_at == 20.0
     assert est.next_probe_bytes("QmB") == 10_000_000  # 75 MB/s * 0.5 s, capped

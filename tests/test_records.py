@@ -26,7 +26,9 @@ def make_peer(**overrides) -> PeerRecord:
 
 def test_peer_and_link_records_round_trip() -> None:
     peer = make_peer()
-    link = LinkRecord(src="QmA", dst="QmB", bandwidth_bps=1.25e7, rtt_s=0.02, measured_at=5.0, samples=3)
+    link = LinkRecord(
+        src="QmA", dst="QmB", bandwidth_bytes_per_s=1.25e7, rtt_s=0.02, measured_at=5.0, samples=3
+    )
     assert PeerRecord.from_wire(peer.to_wire()) == peer
     assert LinkRecord.from_wire(link.to_wire()) == link
     assert decode_record(peer.to_wire()) == peer
@@ -38,9 +40,18 @@ def test_unknown_fields_are_ignored_and_newer_major_version_rejected() -> None:
     body = msgpack.unpackb(make_peer().to_wire())
     body["added_in_a_later_minor_release"] = [1, 2, 3]
     assert PeerRecord.from_wire(msgpack.packb(body)) == make_peer()
-    body["v"] = 2
+    body["v"] = PeerRecord.VERSION + 1
     with pytest.raises(RecordError, match="newer"):
         PeerRecord.from_wire(msgpack.packb(body))
+
+
+def test_a_version_1_link_record_without_units_in_its_names_is_refused_not_misread() -> None:
+    link = LinkRecord(src="QmA", dst="QmB", bandwidth_bytes_per_s=5e6, rtt_s=0.01, measured_at=1.0)
+    body = msgpack.unpackb(link.to_wire())
+    body["v"] = 1
+    body["bandwidth_bps"] = body.pop("bandwidth_bytes_per_s")
+    with pytest.raises(RecordError, match="misses a field"):
+        LinkRecord.from_wire(msgpack.packb(body))
 
 
 @pytest.mark.parametrize(
@@ -78,6 +89,6 @@ def test_garbage_and_oversized_bytes_are_rejected() -> None:
 
 def test_link_record_ranges() -> None:
     with pytest.raises(RecordError, match="distinct"):
-        LinkRecord(src="QmA", dst="QmA", bandwidth_bps=1.0, rtt_s=0.0, measured_at=0.0)
+        LinkRecord(src="QmA", dst="QmA", bandwidth_bytes_per_s=1.0, rtt_s=0.0, measured_at=0.0)
     with pytest.raises(RecordError, match="bandwidth"):
-        LinkRecord(src="QmA", dst="QmB", bandwidth_bps=0.0, rtt_s=0.0, measured_at=0.0)
+        LinkRecord(src="QmA", dst="QmB", bandwidth_bytes_per_s=0.0, rtt_s=0.0, measured_at=0.0)

@@ -65,7 +65,7 @@ def test_every_peer_sees_all_peer_and_link_records(local: LocalSwarm) -> None:
             )
         assert all(r.fp32_flops > 0 and r.total_memory_bytes > 0 and r.state == "idle" for r in records)
         assert {(lk.src, lk.dst) for lk in pairs} == {(a, b) for a in ids for b in ids if a != b}
-        assert all(lk.bandwidth_bps > 0 and lk.rtt_s > 0 for lk in pairs)
+        assert all(lk.bandwidth_bytes_per_s > 0 and lk.rtt_s > 0 for lk in pairs)
 
 
 def test_rate_limited_peer_is_published_within_20_percent_of_its_rate(client: Swarm, local) -> None:
@@ -78,9 +78,9 @@ def test_rate_limited_peer_is_published_within_20_percent_of_its_rate(client: Sw
 
     links = wait_until(limited_links, timeout=45, message="3 smoothed links from the limited peer")
     for link in links:
-        assert abs(link.bandwidth_bps - rate) / rate < 0.2, (link, rate)
+        assert abs(link.bandwidth_bytes_per_s - rate) / rate < 0.2, (link, rate)
     others = [lk for lk in client.links() if lk.dst == limited]
-    assert others and all(lk.bandwidth_bps > 2 * rate for lk in others), others
+    assert others and all(lk.bandwidth_bytes_per_s > 2 * rate for lk in others), others
 
 
 class _SignAnything(RecordValidatorBase):

@@ -67,7 +67,7 @@ def _marker(key) -> bytes:
 def test_accepts_a_peers_own_records(keys) -> None:
     (alice, alice_key), (mallory, _) = keys
     peer = _signed(alice_key, _marker(alice_key), _peer_record(alice).to_wire())
-    link = LinkRecord(src=alice, dst=mallory, bandwidth_bps=1e6, rtt_s=0.1, measured_at=1.0)
+    link = LinkRecord(src=alice, dst=mallory, bandwidth_bytes_per_s=1e6, rtt_s=0.1, measured_at=1.0)
     assert _validator().validate(peer)
     assert _validator().validate(_signed(alice_key, _marker(alice_key), link.to_wire()))
 

@@ -10,11 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import hivemind
 
 from fusionp2p.errors import SwarmError
+from fusionp2p.net.sockets import hivemind_sockets, remove_stale
 from fusionp2p.net.validation import make_validators
 
 __all__ = ["start_dht"]
@@ -22,6 +25,17 @@ __all__ = ["start_dht"]
 logger = logging.getLogger(__name__)
 
 _WATCH_PERIOD = 0.5
+
+
+def _remove_left_sockets(before: set[Path], patience_s: float = 3.0) -> None:
+    """Removes the sockets a failed daemon left (it may take a moment to stop listening)."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        left = hivemind_sockets() - before
+        remove_stale(left)
+        if not (hivemind_sockets() - before) or time.monotonic() > deadline:
+            return
+        time.sleep(0.2)
 
 
 async def _exit_with_parent(_dht: hivemind.DHT, node: hivemind.DHTNode) -> None:
@@ -58,6 +72,7 @@ def start_dht(
     if identity_path is not None:
         kwargs["identity_path"] = identity_path
         kwargs["check_if_identity_free"] = not fresh_identity
+    sockets_before = hivemind_sockets()
     try:
         dht = hivemind.DHT(
             initial_peers=list(initial_peers) or None,
@@ -69,6 +84,7 @@ def start_dht(
             **kwargs,
         )
     except Exception as e:
+        _remove_left_sockets(sockets_before)
         hint = " (is any initial peer alive and reachable?)" if initial_peers else ""
         raise SwarmError(f"could not start the DHT node: {e}{hint}") from e
     dht.run_coroutine(_exit_with_parent, return_future=True)

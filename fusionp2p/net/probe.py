@@ -39,7 +39,7 @@ _U64 = struct.Struct("!Q")
 class LinkSample:
     """One probe's raw result."""
 
-    bandwidth_bps: float
+    bandwidth_bytes_per_s: float
     rtt_s: float
     nbytes: int
     seconds: float
@@ -110,12 +110,12 @@ async def probe_link(
         finally:
             await stream.close()
     transfer = max(seconds - rtt, seconds * 0.5, 1e-6)
-    return LinkSample(bandwidth_bps=nbytes / transfer, rtt_s=rtt, nbytes=nbytes, seconds=seconds)
+    return LinkSample(bandwidth_bytes_per_s=nbytes / transfer, rtt_s=rtt, nbytes=nbytes, seconds=seconds)
 
 
 @dataclass
 class _LinkState:
-    bandwidth_bps: float
+    bandwidth_bytes_per_s: float
     rtt_s: float
     measured_at: float
     samples: int
@@ -135,10 +135,10 @@ class LinkEstimator:
         alpha = self.config.ewma_alpha
         state = self._links.get(dst)
         if state is None:
-            state = _LinkState(sample.bandwidth_bps, sample.rtt_s, now, 1)
+            state = _LinkState(sample.bandwidth_bytes_per_s, sample.rtt_s, now, 1)
         else:
             state = _LinkState(
-                (1 - alpha) * state.bandwidth_bps + alpha * sample.bandwidth_bps,
+                (1 - alpha) * state.bandwidth_bytes_per_s + alpha * sample.bandwidth_bytes_per_s,
                 (1 - alpha) * state.rtt_s + alpha * sample.rtt_s,
                 now,
                 state.samples + 1,
@@ -150,7 +150,7 @@ class LinkEstimator:
         return LinkRecord(
             src=self.src,
             dst=dst,
-            bandwidth_bps=state.bandwidth_bps,
+            bandwidth_bytes_per_s=state.bandwidth_bytes_per_s,
             rtt_s=state.rtt_s,
             measured_at=state.measured_at,
             samples=state.samples,
@@ -174,7 +174,7 @@ class LinkEstimator:
         state = self._links.get(dst)
         if state is None:
             return self.config.initial_bytes
-        wanted = int(state.bandwidth_bps * self.config.target_seconds)
+        wanted = int(state.bandwidth_bytes_per_s * self.config.target_seconds)
         return max(self.config.min_bytes, min(self.config.max_bytes, wanted))
 
     def probe_interval(self, *, busy: bool) -> float:

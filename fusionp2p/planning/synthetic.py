@@ -59,6 +59,8 @@ def synthetic_swarm(
             bw = (intra[labels[i]] if same else inter[labels[i], labels[j]]) * rng.uniform(0.85, 1.15)
             rtt = rng.uniform(0.1e-3, 1e-3) if same else rng.uniform(10e-3, 150e-3)
             links.append(
-                LinkRecord(src=ids[i], dst=ids[j], bandwidth_bps=float(bw), rtt_s=float(rtt), measured_at=0.0)
+                LinkRecord(
+                    src=ids[i], dst=ids[j], bandwidth_bytes_per_s=float(bw), rtt_s=float(rtt), measured_at=0.0
+                )
             )
     return peers, links, labels.tolist()

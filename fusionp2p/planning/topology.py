@@ -82,7 +82,7 @@ class Topology:
         lat = np.full((n, n), np.nan)
         for link in links:
             if link.src in pos and link.dst in pos:
-                bw[pos[link.src], pos[link.dst]] = link.bandwidth_bps
+                bw[pos[link.src], pos[link.dst]] = link.bandwidth_bytes_per_s
                 lat[pos[link.src], pos[link.dst]] = link.rtt_s / 2
         reverse = np.isnan(bw) & ~np.isnan(bw.T)
         bw[reverse], lat[reverse] = bw.T[reverse], lat.T[reverse]

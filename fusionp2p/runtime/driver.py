@@ -274,10 +274,20 @@ class PipelineDriver:
 
         Raises:
             ValueError: not ``n_micro_batches`` batches.
+            ConfigError: a micro-batch's inputs are not of the traced shape and dtype
+                (nothing was sent).
             ProtocolError: a stage failed or did not finish in time.
         """
         if len(batches) != self.n_micro_batches:
             raise ValueError(f"expected {self.n_micro_batches} micro-batches, got {len(batches)}")
+        spec = self.setups[self.executor.stage].spec
+        shape, dtype = tuple(spec.input_shape), getattr(torch, spec.input_dtype)
+        for m, (inputs, _) in enumerate(batches):  # checked here: a stage would fail deep in its graph
+            if tuple(inputs.shape) != shape or inputs.dtype != dtype:
+                raise ConfigError(
+                    f"micro-batch {m}: inputs of shape {list(inputs.shape)} ({inputs.dtype}), but the model "
+                    f"was traced for {list(shape)} ({dtype}): every micro-batch must have that shape"
+                )
         window = self.setups[self.executor.stage].in_flight
         for m, (inputs, labels) in enumerate(batches):
             if m >= window:  # 1F1B: a new micro-batch only when an old one finished its backward
