@@ -268,3 +268,49 @@ def test_plan_travels_as_small_stage_records() -> None:
     assert len(spread_records) == 6
     with pytest.raises(PlanningError, match="stages"):
         Plan.stages_from_records(spread_records[:3] + spread_records[4:], dag)
+
+
+def _chain(params: list[float], saved: list[float]) -> OpDag:
+    return OpDag.from_unordered(
+        [
+            OpNode(
+                f"n{i}",
+                "x",
+                (f"n{i - 1}",) if i else (),
+                fwd_flops=1e11,
+                bwd_flops=2e11,
+                param_bytes=int(p),
+                output_bytes=10**6,
+                saved_bytes=int(s),
+            )
+            for i, (p, s) in enumerate(zip(params, saved, strict=True))
+        ]
+    )
+
+
+def _peers(memory: list[float], speed: list[float] | None = None) -> Topology:
+    n = len(memory)
+    bw = np.full((n, n), 1e9)
+    return Topology.from_arrays([f"p{i}" for i in range(n)], speed or [1e12] * n, memory, bw)
+
+
+def test_a_refusal_names_the_binding_memory_constraint_and_the_knob() -> None:
+    cost = CostConfig(n_micro_batches=4)  # weights x4 (grads, Adam moments), 90% of memory usable
+    one_big_node = _chain([0.1 * GB, 0.5 * GB, 0.1 * GB], [0.01 * GB] * 3)
+    with pytest.raises(PlanningError, match=r"node 'n1' alone needs 2\.01 GiB .* offers 0\.90 GiB usable"):
+        op_fence(one_big_node, _peers([GB, GB, GB]), cost)
+    big_activations = _chain([0.01 * GB] * 3, [0.1 * GB, 1.5 * GB, 0.1 * GB])
+    with pytest.raises(PlanningError, match=r"alone needs .* try a smaller micro-batch"):
+        op_fence(big_activations, _peers([GB, GB, GB]), cost)
+    too_much_in_total = _chain([0.1 * GB] * 6, [0.01 * GB] * 6)
+    with pytest.raises(PlanningError, match=r"needs about 2\.\d\d GiB over all its stages .* 2 candidate"):
+        op_fence(too_much_in_total, _peers([GB, GB]), cost)
+
+
+def test_a_slow_peer_with_the_memory_a_model_needs_is_a_candidate() -> None:
+    # 12 fast small peers and one slow one with the memory; 4 candidates per cluster at most
+    dag = _chain([0.3 * GB, 0.3 * GB], [0.01 * GB] * 2)  # 2.4 GiB with grads and Adam moments
+    memory = [0.5 * GB] * 12 + [8 * GB]
+    speed = [1e13] * 12 + [1e11]
+    plan = op_fence(dag, _peers(memory, speed), CostConfig(), max_candidates=4)
+    assert plan.estimate.fits and 12 in {s.peer for s in plan.stages}

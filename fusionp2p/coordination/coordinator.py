@@ -29,6 +29,7 @@ from fusionp2p.net.transport import FrameStream, Transport
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.trace import trace_spec
 from fusionp2p.planning import CostConfig, PlanningError, Topology
+from fusionp2p.planning.fit import explain_no_fit
 from fusionp2p.records import PeerRecord
 from fusionp2p.training.job_spec import compression_policy
 
@@ -148,7 +149,8 @@ class Coordinator:
         )
         plan = await asyncio.to_thread(plan_job, traced.dag, topo, owner, method=request.method, cost=cost)
         if not plan.estimate.fits:
-            raise PlanningError(f"job {request.job}'s model fits in no split over the {len(idle)} idle peers")
+            why = explain_no_fit(traced.dag, topo, cost, [topo.peer_ids.index(p.peer_id) for p in idle])
+            raise PlanningError(f"job {request.job} fits in no split over the {len(idle)} idle peers: {why}")
         if not self.keeper.holds():  # the lease ran out while planning: this plan must not count
             raise LimitError(self._not_coordinator())
         epoch = self.keeper.epoch

@@ -2,9 +2,11 @@
 
 1. Clusters of well-connected peers (Leiden by default).
 2. Cluster orders: all of them for up to 4 clusters, else a greedy chain from each start
-   along the fastest inter-cluster links. Within a cluster, peers go fastest first, and,
-   as a second candidate, fastest last. With many candidates, a quick single pass ranks
-   them and only the best ``refine`` get the full search.
+   along the fastest inter-cluster links. A large cluster offers its fastest peers and,
+   for a quarter of its candidate slots, those with the most memory. Within a cluster,
+   peers go fastest first, and, as a second candidate, fastest last. With many
+   candidates, a quick single pass ranks them and only the best ``refine`` get the full
+   search.
 3. For each order, a dynamic program over contiguous cuts of the OP-DAG's topological
    order and that peer sequence, where any peer may be left out (so a slow peer is only
    used when it helps). It first finds the smallest possible bottleneck B*, then, for a
@@ -29,6 +31,7 @@ from fusionp2p.planning.chain import ChainCosts
 from fusionp2p.planning.cluster import ClusterMethod, cluster_peers, inter_cluster_bandwidth
 from fusionp2p.planning.cost import CostConfig
 from fusionp2p.planning.estimate import Estimate, Stage, estimate
+from fusionp2p.planning.fit import explain_no_fit
 from fusionp2p.planning.plan import Plan
 from fusionp2p.planning.topology import PlanningError, Topology
 
@@ -186,6 +189,18 @@ def search_sequence(
     return best
 
 
+def _candidates(topo: Topology, cluster: Sequence[int], n: int) -> list[int]:
+    """Up to ``n`` peers of a cluster, fastest first: the fastest three quarters, and the
+    rest by memory (a slow peer with much memory may be what lets a model fit)."""
+    by_speed = sorted(cluster, key=lambda p: (-topo.speed[p], p))
+    if len(by_speed) <= n:
+        return by_speed
+    chosen = by_speed[: max(1, (3 * n) // 4)]
+    rest = sorted(set(cluster) - set(chosen), key=lambda p: (-topo.memory[p], p))
+    chosen += rest[: n - len(chosen)]
+    return sorted(chosen, key=lambda p: (-topo.speed[p], p))
+
+
 def op_fence(
     dag: OpDag,
     topo: Topology,
@@ -204,7 +219,7 @@ def op_fence(
     """
     clusters = cluster_peers(topo, clustering, seed)
     per_cluster = max(1, min(len(dag), max_candidates // len(clusters)))
-    ranked = [sorted(c, key=lambda p: -topo.speed[p])[:per_cluster] for c in clusters]
+    ranked = [_candidates(topo, c, per_cluster) for c in clusters]
     ch = ChainCosts(dag, topo, cost)
     # fastest first, and fastest last (the last stage keeps the fewest micro-batches in flight)
     seqs = [
@@ -227,10 +242,6 @@ def op_fence(
         if found and (best is None or found[0].iteration_s < best[0].iteration_s):
             best = found
     if best is None or not math.isfinite(best[0].iteration_s):
-        need = cost.param_multiplier * dag.total_param_bytes
-        raise PlanningError(
-            f"the model does not fit: it needs about {need / 2**30:.1f} GiB for weights, grads and "
-            f"optimizer state alone, and the {len(topo)} peers offer "
-            f"{cost.memory_headroom * topo.memory.sum() / 2**30:.1f} GiB usable in total"
-        )
+        candidates = sorted({p for seq in seqs for p in seq})
+        raise PlanningError(f"the model does not fit: {explain_no_fit(dag, topo, cost, candidates)}")
     return Plan.build("op-fence", dag, topo, best[1], cost, best[0], clusters=clusters)
