@@ -44,15 +44,16 @@ def compare(swarms: int, cost: CostConfig, exact_max_peers: int) -> int:
     print(
         f"{'seed':>4} {'peers':>5} {'clus':>4} {'op-fence s':>10} "
         + " ".join(f"{n:>15}" for n in names)
-        + f" {'exact s':>8} {'gap':>6} {'plan s':>6}"
+        + f" {'exact s':>8} {'gap':>6} {'plan s':>6} {'LS gain':>7}"
     )
-    gaps, wins, worse = [], [], 0
+    gaps, wins, worse, ls_gains = [], [], 0, []
     for seed in range(swarms):
         peers, links, labels = synthetic_swarm(seed)
         topo = Topology.from_records(peers, links)
         start = time.perf_counter()
         plan = op_fence(dag, topo, cost)
         took = time.perf_counter() - start
+        ls_gains.append(op_fence(dag, topo, cost, local_search=False).iteration_s / plan.iteration_s - 1)
         base = [baseline_plan(b, dag, topo, cost, c).iteration_s for b in BASELINES for c in COMPRESSIONS]
         exact = exact_plan(dag, topo, cost).iteration_s if len(topo) <= exact_max_peers else None
         gap = None if exact is None else plan.iteration_s / exact - 1
@@ -66,11 +67,15 @@ def compare(swarms: int, cost: CostConfig, exact_max_peers: int) -> int:
             f"{plan.iteration_s:>10.3f} "
             + " ".join(f"{b:>15.3f}" for b in base)
             + (f" {exact:>8.3f} {gap * 100:>5.1f}%" if exact is not None else f" {'-':>8} {'-':>6}")
-            + f" {took:>6.2f}"
+            + f" {took:>6.2f} {ls_gains[-1] * 100:>6.2f}%"
         )
     print(
         f"\nOP-Fence worse than the best baseline on {worse} of {swarms} swarms; "
         f"median speed-up over the best baseline {statistics.median(wins):.2f}x (min {min(wins):.2f}x)"
+    )
+    print(
+        f"local search after the DP: median gain {statistics.median(ls_gains) * 100:.2f}%, "
+        f"max {max(ls_gains) * 100:.2f}%, improved {sum(g > 1e-9 for g in ls_gains)} of {swarms} plans"
     )
     if gaps:
         print(

@@ -25,8 +25,10 @@ from fusionp2p.planning import (
     estimate,
     exact_plan,
     op_fence,
+    planned_ratios,
     synthetic_swarm,
 )
+from fusionp2p.planning.local_search import improve
 from fusionp2p.records import LinkRecord, PeerRecord, PlanStageRecord
 
 GB = 1 << 30
@@ -314,3 +316,73 @@ def test_a_slow_peer_with_the_memory_a_model_needs_is_a_candidate() -> None:
     speed = [1e13] * 12 + [1e11]
     plan = op_fence(dag, _peers(memory, speed), CostConfig(), max_candidates=4)
     assert plan.estimate.fits and 12 in {s.peer for s in plan.stages}
+
+
+def test_local_search_only_improves_and_climbs_from_a_poor_plan_towards_the_optimum() -> None:
+    dag = _chain([10**6] * 8, [10**5] * 8)
+    dag = OpDag.from_unordered(
+        [
+            OpNode(
+                n.id,
+                "x",
+                n.inputs,
+                fwd_flops=(i % 4 + 1) * 1e11,
+                bwd_flops=(i % 4 + 1) * 2e11,
+                param_bytes=10**6,
+                output_bytes=(8 - i) * 10**6,
+                saved_bytes=10**5,
+            )
+            for i, n in enumerate(dag.nodes)
+        ]
+    )
+    bw = np.array([[0, 2e8, 3e6, 1e8], [1e8, 0, 5e7, 2e6], [4e6, 6e7, 0, 9e7], [1e8, 3e6, 8e7, 0]])
+    topo = Topology.from_arrays(
+        ["a", "b", "c", "d"], [1e12, 3e12, 2e12, 5e11], [GB] * 4, bw, np.full((4, 4), 0.005)
+    )
+    cost = CostConfig(n_micro_batches=6)
+    poor = baseline_plan("equal-number", dag, topo, cost, "none")
+    est, stages = improve(dag, topo, cost, list(poor.stages), range(len(topo)))
+    again = improve(dag, topo, cost, list(poor.stages), range(len(topo)))
+    assert again[1] == stages  # deterministic: every coordinator gets the same plan
+    optimum = exact_plan(dag, topo, cost).iteration_s
+    assert est.iteration_s < poor.iteration_s * 0.9  # it climbs
+    assert est.iteration_s <= optimum * 1.25
+    plain = op_fence(dag, topo, cost, local_search=False)
+    assert op_fence(dag, topo, cost).iteration_s <= plain.iteration_s  # never worse than the DP's plan
+
+
+def test_planned_ratios_are_the_least_that_hide_each_link_under_the_bottleneck_compute() -> None:
+    # hand-computed: budget 0.1 s; 10 ms latency; fp32 values + int32 indices (8 B per entry), 32 B header
+    policy = CompressionPolicy(kind="planned", ratio=1.0, max_ratio=100.0)
+    dense = np.array([1e6, 8e6, 8e6, 8e6])  # bytes per micro-batch
+    bw = np.array([1e8, 1e8, 1e7, 1e5])  # bytes/s
+    got = planned_ratios(dense, bw, 0.01, 0.1, policy, WIRE)
+    # 1 MB in 10 ms + 10 ms fits dense; 8 MB at 100 MB/s has room for 9 MB: dense fits too
+    assert got[0] == 1.0 and got[1] == 1.0
+    # 8 MB at 10 MB/s: 0.9 MB of room -> floor((0.9e6 - 32) / 8) entries of 2e6 values -> ratio 17.78
+    assert got[2] == pytest.approx(2e6 / ((0.9e6 - 32) // 8))
+    assert got[3] == 100.0  # 9 KB of room would need 1,780x: capped
+    wire = WIRE.wire_bytes(8e6, got[2])
+    assert 0.01 + wire / 1e7 <= 0.1 + 1e-9  # the chosen ratio does hide the link
+    assert 0.01 + WIRE.wire_bytes(8e6, got[2] * 0.95) / 1e7 > 0.1  # and a smaller one would not
+
+
+def test_the_planned_policy_compresses_only_links_that_would_be_the_bottleneck() -> None:
+    dag = _chain([10**6] * 4, [10**5] * 4)  # 1 MB between nodes; 0.3 s of compute per node at 1 TFLOP/s
+    fast, slow = 1e9, 1e6  # bytes/s
+    bw = np.array([[0, fast, slow], [fast, 0, slow], [slow, slow, 0]])
+    topo = Topology.from_arrays(["a", "b", "c"], [1e12] * 3, [GB] * 3, bw, np.full((3, 3), 0.001))
+    planned = CompressionPolicy(kind="planned", ratio=1.0, max_ratio=100.0)
+    cost = CostConfig(n_micro_batches=4, compression=planned)
+    stages = [Stage(0, (0, 1)), Stage(1, (2,)), Stage(2, (3,))]  # compute 0.6, 0.3, 0.3 s
+    est = estimate(dag, topo, stages, cost)
+    ratios = {(lk.src, lk.dst): lk.ratio for lk in est.links}
+    assert ratios[(0, 1)] == 1.0  # 1 MB at 1 GB/s: 2 ms, far under the 0.6 s bottleneck: dense
+    # 1 MB at 1 MB/s is 1 s: hidden under 0.6 s with 0.599 MB of room -> the least ratio that fits
+    assert ratios[(1, 2)] == pytest.approx(2.5e5 / ((0.599e6 - 32) // 8))
+    assert est.bottleneck_s == pytest.approx(0.6)  # the compressed link is no longer the bottleneck
+    dense = estimate(
+        dag, topo, stages, CostConfig(n_micro_batches=4, compression=CompressionPolicy(kind="none"))
+    )
+    assert dense.bottleneck_s > 1.0 and est.pipelined_s < dense.pipelined_s
+    assert op_fence(dag, topo, cost).iteration_s <= est.iteration_s + 1e-9

@@ -79,7 +79,7 @@ class JobRequest:
     job: str
     spec: ModelSpec
     n_micro_batches: int
-    compression: str  # "none" or "adaptive"
+    compression: str  # one of training.job_spec.COMPRESSIONS
     method: str  # a data_owner.PLAN_METHODS name
     owner: PeerRecord  # the data owner, measured by itself
     owner_links: tuple[LinkRecord, ...]  # its links to candidate peers

@@ -21,6 +21,7 @@ from fusionp2p.planning.cost import (
     CostConfig,
     WireFormat,
     adaptive_ratios,
+    planned_ratios,
 )
 from fusionp2p.planning.estimate import Estimate, LinkEstimate, Stage, estimate, estimate_segments
 from fusionp2p.planning.exact import exact_plan, is_chain
@@ -50,5 +51,6 @@ __all__ = [
     "exact_plan",
     "is_chain",
     "op_fence",
+    "planned_ratios",
     "synthetic_swarm",
 ]

@@ -64,7 +64,7 @@ class WireFormat:
 WIRE = WireFormat()  # fusionp2p's format: fp32 values, int32 indices
 PAPER_WIRE = WireFormat(index_bytes=8)  # FusionLLM's: fp32 values, int64 indices (its coefficient 3)
 
-CompressionKind = Literal["none", "uniform", "adaptive"]
+CompressionKind = Literal["none", "uniform", "adaptive", "planned"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,11 +73,13 @@ class CompressionPolicy:
 
     kind: CompressionKind = "adaptive"
     ratio: float = 100.0  # the user's ratio: uniform uses it everywhere, adaptive on average
-    max_ratio: float = 1000.0  # no link is compressed harder than this
+    max_ratio: float = 1000.0  # no link is compressed harder than this (planned: its only knob)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("none", "uniform", "adaptive"):
-            raise ConfigError(f"CompressionPolicy.kind must be none/uniform/adaptive, got {self.kind!r}")
+        if self.kind not in ("none", "uniform", "adaptive", "planned"):
+            raise ConfigError(
+                f"CompressionPolicy.kind must be none/uniform/adaptive/planned, got {self.kind!r}"
+            )
         if not (self.ratio >= 1 and math.isfinite(self.ratio)) or self.max_ratio < self.ratio:
             raise ConfigError(f"need 1 <= ratio <= max_ratio, got {self.ratio} / {self.max_ratio}")
 
@@ -97,6 +99,30 @@ def adaptive_ratios(dense_times: np.ndarray, policy: CompressionPolicy) -> np.nd
     mean = np.mean(t, axis=-1, keepdims=True)
     safe = np.where(mean > 0, mean, 1.0)
     return np.clip(policy.ratio * t / safe, 1.0, policy.max_ratio)
+
+
+def planned_ratios(
+    dense_bytes: np.ndarray | float,
+    bandwidth: np.ndarray | float,
+    latency: np.ndarray | float,
+    budget_s: np.ndarray | float,
+    policy: CompressionPolicy,
+    wire: WireFormat,
+) -> np.ndarray:
+    """Per link, the *smallest* Top-K ratio whose transfer fits in ``budget_s`` (the
+    bottleneck peer's compute per micro-batch, which a pipelined link must not exceed):
+    1 where the dense tensor already fits, ``policy.max_ratio`` at most (and where even
+    the latency does not fit). Compressing no harder than needed is what keeps training
+    close to uncompressed (benchmarks/convergence.py); the paper's §5.2 formula compresses
+    slow links hardest whether or not they are the bottleneck."""
+    dense = np.asarray(dense_bytes, dtype=float)
+    room = (np.asarray(budget_s, dtype=float) - np.asarray(latency, dtype=float)) * np.asarray(
+        bandwidth, dtype=float
+    )
+    entries = np.maximum(np.floor((room - _HEADER_BYTES) / (wire.value_bytes + wire.index_bytes)), 1e-12)
+    needed = (dense / wire.dense_value_bytes) / entries * (1 + 1e-9)  # so ceil() keeps to ``entries``
+    ratio = np.where(dense <= room, 1.0, np.where(room > _HEADER_BYTES, needed, policy.max_ratio))
+    return np.clip(ratio, 1.0, policy.max_ratio)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fusionp2p.opdag.ir import OpDag
-from fusionp2p.planning.cost import CostConfig, adaptive_ratios, in_flight
+from fusionp2p.planning.cost import CostConfig, adaptive_ratios, in_flight, planned_ratios
 from fusionp2p.planning.topology import PlanningError, Topology
 
 __all__ = ["Estimate", "LinkEstimate", "Stage", "estimate", "estimate_segments"]
@@ -104,6 +104,26 @@ def estimate(
             for a, b in remote
         ]
     )
+    if ratios is None and cost.compression.kind == "planned":
+        compute: dict[int, float] = {}
+        for k, p in enumerate(peers):
+            compute[p] = compute.get(p, 0.0) + fwd[k] + bwd[k]
+        budget = max(compute.values(), default=0.0)
+        slow_bw = [
+            min(topo.bandwidth[peers[a], peers[b]], topo.bandwidth[peers[b], peers[a]]) for a, b in remote
+        ]
+        slow_lat = [
+            max(topo.latency[peers[a], peers[b]], topo.latency[peers[b], peers[a]]) for a, b in remote
+        ]
+        planned = planned_ratios(
+            np.array([traffic[ab] for ab in remote], dtype=float),
+            np.array(slow_bw),
+            np.array(slow_lat),
+            budget,
+            cost.compression,
+            cost.wire,
+        )
+        ratios = dict(zip(remote, np.atleast_1d(planned).tolist(), strict=True))
     if ratios is None:
         ratios = dict(zip(remote, adaptive_ratios(dense_t, cost.compression).tolist(), strict=True))
     links = []

@@ -14,7 +14,7 @@ import numpy as np
 
 from fusionp2p.opdag.ir import OpDag
 from fusionp2p.planning.chain import ChainCosts
-from fusionp2p.planning.cost import CostConfig, adaptive_ratios
+from fusionp2p.planning.cost import CostConfig, adaptive_ratios, planned_ratios
 from fusionp2p.planning.estimate import Stage, estimate
 from fusionp2p.planning.plan import Plan
 from fusionp2p.planning.topology import PlanningError, Topology
@@ -68,7 +68,18 @@ def exact_plan(
             src, dst = seq_a[:-1], seq_a[1:]
             lat_f, lat_b = topo.latency[src, dst], topo.latency[dst, src]
             bw_f, bw_b = topo.bandwidth[src, dst], topo.bandwidth[dst, src]
-            ratios = adaptive_ratios(lat_f + cut_bytes / bw_f, cost.compression)
+            if cost.compression.kind == "planned":
+                budget = np.max(cf + cb, axis=1, keepdims=True)  # one peer per stage here
+                ratios = planned_ratios(
+                    cut_bytes,
+                    np.minimum(bw_f, bw_b),
+                    np.maximum(lat_f, lat_b),
+                    budget,
+                    cost.compression,
+                    cost.wire,
+                )
+            else:
+                ratios = adaptive_ratios(lat_f + cut_bytes / bw_f, cost.compression)
             wire = cost.wire.wire_bytes(cut_bytes, ratios)
             lf, lb = lat_f + wire / bw_f, lat_b + wire / bw_b
             critical = cf.sum(1) + cb.sum(1) + lf.sum(1) + lb.sum(1)

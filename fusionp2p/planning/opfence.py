@@ -15,6 +15,9 @@
    the OP-DAG is thin on the slow links, and each cluster gets work for its compute.
 4. Adaptive ratios (§5.2) depend on the whole plan; the search approximates them with the
    previous pass's plan and the final estimate applies them exactly.
+5. A deterministic local search from the best plan (move a boundary, merge two stages,
+   hand a stage to an unused candidate, swap two peers) keeps every move that lowers the
+   exact estimate.
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ import numpy as np
 from fusionp2p.opdag.ir import OpDag
 from fusionp2p.planning.chain import ChainCosts
 from fusionp2p.planning.cluster import ClusterMethod, cluster_peers, inter_cluster_bandwidth
-from fusionp2p.planning.cost import CostConfig
+from fusionp2p.planning.cost import CostConfig, planned_ratios
 from fusionp2p.planning.estimate import Estimate, Stage, estimate
 from fusionp2p.planning.fit import explain_no_fit
+from fusionp2p.planning.local_search import improve
 from fusionp2p.planning.plan import Plan
 from fusionp2p.planning.topology import PlanningError, Topology
 
@@ -141,6 +145,7 @@ def search_sequence(
     policy = cost.compression
     best: tuple[Estimate, list[Stage]] | None = None
     t_ref: float | None = None
+    budget: float | None = None
     inflight = 1
     for _ in range(passes):  # later passes: adaptive reference and in-flight memory from the previous
         stage = np.stack([ch.stage_matrix(p, inflight, pos) for p in seq])
@@ -151,8 +156,12 @@ def search_sequence(
             for b, pb in enumerate(seq):
                 if a >= b:
                     continue
-                if policy.kind == "none":
+                if policy.kind == "none" or (policy.kind == "planned" and budget is None):
                     ratio: np.ndarray | float = 1.0
+                elif policy.kind == "planned" and budget is not None:
+                    bw = min(topo.bandwidth[pa, pb], topo.bandwidth[pb, pa])
+                    lat = max(topo.latency[pa, pb], topo.latency[pb, pa])
+                    ratio = planned_ratios(ch.cut, bw, lat, budget, policy, cost.wire)
                 elif policy.kind == "uniform" or t_ref is None:
                     ratio = policy.ratio
                 else:
@@ -186,6 +195,10 @@ def search_sequence(
                 )
             )
         inflight = min(cost.n_micro_batches, len(best[1]))
+        busy: dict[int, float] = {}
+        for planned_stage, seconds in zip(best[1], best[0].compute_s, strict=True):
+            busy[planned_stage.peer] = busy.get(planned_stage.peer, 0.0) + seconds
+        budget = max(busy.values())  # planned ratios: hide each link under this compute
     return best
 
 
@@ -211,8 +224,10 @@ def op_fence(
     max_candidates: int = 48,
     max_positions: int = 64,
     refine: int = 4,
+    local_search: bool = True,
 ) -> Plan:
-    """Plans ``dag`` on ``topo`` with OP-Fence.
+    """Plans ``dag`` on ``topo`` with OP-Fence (and, unless ``local_search`` is off, a
+    local search from its plan: ``planning.local_search``).
 
     Raises:
         PlanningError: no combination of peers has the memory for the model.
@@ -241,7 +256,9 @@ def op_fence(
         found = search_sequence(dag, topo, cost, seq, max_positions=max_positions, ch=ch)
         if found and (best is None or found[0].iteration_s < best[0].iteration_s):
             best = found
+    candidates = sorted({p for seq in seqs for p in seq})
     if best is None or not math.isfinite(best[0].iteration_s):
-        candidates = sorted({p for seq in seqs for p in seq})
         raise PlanningError(f"the model does not fit: {explain_no_fit(dag, topo, cost, candidates)}")
+    if local_search:
+        best = improve(dag, topo, cost, best[1], candidates)
     return Plan.build("op-fence", dag, topo, best[1], cost, best[0], clusters=clusters)

@@ -20,7 +20,8 @@ from fusionp2p.planning.cost import CompressionPolicy
 
 __all__ = ["COMPRESSIONS", "EXAMPLE_CONFIG", "JobSpec", "compression_policy"]
 
-COMPRESSIONS = ("none", "adaptive")
+COMPRESSIONS = ("none", "adaptive", "planned")
+PLANNED_MAX_RATIO = 100.0  # the planned policy never compresses a link harder than this
 _MAX_STEPS = 10_000_000
 
 EXAMPLE_CONFIG = """\
@@ -52,7 +53,8 @@ micro_batch_size = 2           # samples per pipelined micro-batch (must divide 
 optimizer = "adamw"            # adamw or sgd
 lr = 0.001
 weight_decay = 0.0
-compression = "none"           # "none", or "adaptive": Top-K per link, by its bandwidth
+compression = "none"           # "none"; "planned": per link the least Top-K that hides it under the
+                               # slowest stage's compute; "adaptive": the paper's, by bandwidth
 plan_method = "op-fence"       # or a baseline: "equal-computation/none", ...
 checkpoint_every = 0           # steps between checkpoints; 0: chosen to cost <= 10% of the steps
 min_peers = 2                  # wait for this many idle peers before submitting
@@ -104,7 +106,7 @@ _WHERE = {f: (f"[{s}] {k}" if s else k) for (s, k), f in _TOML_FIELDS.items()}
 
 
 def compression_policy(name: str) -> CompressionPolicy:
-    """The planner's policy for a job's ``compression`` ("none" or "adaptive").
+    """The planner's policy for a job's ``compression`` ("none", "adaptive" or "planned").
 
     Raises:
         ConfigError: another name.
@@ -113,6 +115,8 @@ def compression_policy(name: str) -> CompressionPolicy:
         return CompressionPolicy(kind="none")
     if name == "adaptive":
         return CompressionPolicy(kind="adaptive")
+    if name == "planned":
+        return CompressionPolicy(kind="planned", ratio=1.0, max_ratio=PLANNED_MAX_RATIO)
     raise ConfigError(f"[train] compression: must be one of {list(COMPRESSIONS)}, got {name!r:.40}")
 
 
