@@ -1,6 +1,6 @@
 """Does Top-K on the wire hurt convergence? A small GPT over 3 stages, four ways.
 
-    python benchmarks/convergence.py [--steps 300] [--ratio 100] [--png convergence.png]
+    python benchmarks/convergence.py [--steps 300] [--ratio 100] [--png convergence.png] [--variants ...]
 
 A GPT-2-style model (byte-level, 4 blocks) learns the text of this Python's standard
 library sources. It is cut into 3 stages after blocks 0 and 2; at each cut the forward
@@ -11,6 +11,10 @@ decode), at each link's ratio:
   (b) uniform     ratio r on both links
   (c) adaptive    paper §5.2: links of 100 and 10 Mbit/s get ratios with mean r, slower harder
   (d) adaptive+EF (c) with error feedback on the gradients
+
+  (e) planned     the least ratio per link that hides it under a stage's compute (here:
+                  compute per micro-batch = the fast link's dense transfer time, so the
+                  fast link stays dense and the slow one gets what it needs), shared positions
 
 where, as in the paper, the backward gradient is Top-K-selected on its own (its own
 indices) and the forward's selection is passed straight through. The "shared" variants
@@ -37,7 +41,7 @@ import torch
 import transformers
 
 from fusionp2p.compression import ErrorFeedback, decode, decode_at, encode, encode_at
-from fusionp2p.planning import CompressionPolicy, adaptive_ratios
+from fusionp2p.planning import WIRE, CompressionPolicy, adaptive_ratios, planned_ratios
 
 CUTS = (0, 2)  # compress after these blocks
 
@@ -155,6 +159,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=30, help="steps of linear learning-rate warm-up")
     parser.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
     parser.add_argument("--png", default="convergence.png")
+    parser.add_argument("--variants", nargs="*", help="run only these variants (names as printed)")
+    parser.add_argument(
+        "--budget", type=float, default=1.0, help="planned: compute per micro-batch / fast link's dense time"
+    )
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     text = stdlib_bytes(4 << 20)
@@ -162,6 +170,16 @@ def main() -> None:
     # two links, 100 and 10 Mbit/s, carrying the same activation: uncompressed times 1 : 10
     adaptive = adaptive_ratios(
         np.array([1.0, 10.0]), CompressionPolicy(kind="adaptive", ratio=args.ratio)
+    ).tolist()
+    dense = float(args.batch * args.seq_len * args.d_model * 4)  # one cut's activation, fp32
+    fast, slow = 100e6 / 8, 10e6 / 8  # bytes/s
+    planned = planned_ratios(
+        np.array([dense, dense]),
+        np.array([fast, slow]),
+        0.0,
+        args.budget * dense / fast,
+        CompressionPolicy(kind="planned", ratio=1.0, max_ratio=100.0),
+        WIRE,
     ).tolist()
     variants = [  # name, ratio per link, error feedback, shared indices
         ("none", [1.0, 1.0], False, False),
@@ -173,10 +191,14 @@ def main() -> None:
         ("adapt. shared", adaptive, False, True),
         ("10 shared", [10.0, 10.0], False, True),
         ("2 shared", [2.0, 2.0], False, True),
+        ("planned", planned, False, True),
     ]
+    if args.variants:
+        variants = [v for v in variants if v[0] in {"none", *args.variants}]
     print(
         f"{len(data) / 1e6:.1f} MB of stdlib text, {args.steps} steps of {args.batch}x{args.seq_len} bytes, "
-        f"ratios: uniform {args.ratio:g}, adaptive {[round(r, 1) for r in adaptive]}"
+        f"ratios: uniform {args.ratio:g}, adaptive {[round(r, 1) for r in adaptive]}, "
+        f"planned {[round(r, 1) for r in planned]}"
     )
     results = {}
     for name, ratios, fb, shared in variants:

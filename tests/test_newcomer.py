@@ -135,6 +135,8 @@ def test_a_local_swarm_stopped_with_ctrl_c_says_so_and_leaves_nothing() -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # a background job's shell starts it with SIGINT ignored; a terminal's Ctrl-C is not
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert local.stdout is not None
@@ -152,7 +154,9 @@ def test_a_local_swarm_stopped_with_ctrl_c_says_so_and_leaves_nothing() -> None:
     finally:
         if local.poll() is None:
             local.kill()
-            local.wait()
+            local.communicate()  # reaps it and closes the pipe
+        if local.stdout is not None:
+            local.stdout.close()
     assert local.returncode == 130
     assert (
         "interrupted (Ctrl-C)" in rest
