@@ -16,6 +16,7 @@ from fusionp2p.errors import ConfigError
 
 __all__ = [
     "DEFAULT_SWARM",
+    "PEER_ID_RE",
     "ExecLimits",
     "OptimizerConfig",
     "PeerConfig",
@@ -28,6 +29,7 @@ __all__ = [
 
 DEFAULT_SWARM = "fusionp2p"
 NAME_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")  # a swarm's or a job's name: 1-64 letters, digits, - or _
+PEER_ID_RE = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")  # a base58 PeerID
 
 
 def _positive(owner: str, **values: float) -> None:
@@ -218,9 +220,6 @@ class ExecLimits:
         )
 
 
-_PEER_ID_RE = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")  # base58
-
-
 @dataclass(frozen=True, kw_only=True)
 class PeerConfig:
     """Everything a long-running peer needs to join a swarm."""
@@ -278,7 +277,7 @@ class PeerConfig:
             if not isinstance(target, str) or not re.fullmatch(r"[\w.]+:[\w.]+", target):
                 raise ConfigError(f"PeerConfig.allow_models holds {target!r}, not 'package.module:factory'")
         for peer_id in self.accept_jobs_from:
-            if not isinstance(peer_id, str) or not _PEER_ID_RE.match(peer_id):
+            if not isinstance(peer_id, str) or not PEER_ID_RE.match(peer_id):
                 raise ConfigError(f"PeerConfig.accept_jobs_from holds {peer_id!r}, not a base58 PeerID")
         if self.max_memory_bytes is not None:
             _positive_ints("PeerConfig", max_memory_bytes=self.max_memory_bytes)

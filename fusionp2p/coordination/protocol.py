@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fusionp2p.config import NAME_RE, load_json_object
+from fusionp2p.config import NAME_RE, PEER_ID_RE, load_json_object
 from fusionp2p.errors import ConfigError, RecordError
 from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.records import LinkRecord, PeerRecord
@@ -37,7 +37,6 @@ MAX_REQUEST_BYTES = 256 << 10
 MAX_REPLY_BYTES = 4 << 20
 _MAX_OWNER_LINKS = 64
 _MAX_EXCLUDE = 256
-_PEER_ID_RE = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")
 _MAX_RECORDS = 4096
 _HEX_RE = re.compile(r"^[0-9a-f]{2,8192}$")
 
@@ -148,7 +147,7 @@ class JobRequest:
 def _peer_ids(value: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or len(value) > _MAX_EXCLUDE:
         raise ConfigError(f"job request exclude must be a list of at most {_MAX_EXCLUDE} PeerIDs")
-    if not all(isinstance(p, str) and _PEER_ID_RE.match(p) for p in value):
+    if not all(isinstance(p, str) and PEER_ID_RE.match(p) for p in value):
         raise ConfigError("job request exclude holds a value that is not a PeerID")
     return tuple(value)
 
@@ -162,7 +161,7 @@ def _speeds(value: Any) -> tuple[tuple[str, float], ...]:
             not isinstance(item, list)
             or len(item) != 2
             or not isinstance(item[0], str)
-            or not _PEER_ID_RE.match(item[0])
+            or not PEER_ID_RE.match(item[0])
             or not isinstance(item[1], (int, float))
             or isinstance(item[1], bool)
             or not 0 < item[1] <= 1

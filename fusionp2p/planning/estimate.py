@@ -104,10 +104,10 @@ def estimate(
             for a, b in remote
         ]
     )
+    compute: dict[object, float] = {}  # per peer: forward + backward seconds per micro-batch
+    for k, p in enumerate(peers):
+        compute[p] = compute.get(p, 0.0) + fwd[k] + bwd[k]
     if ratios is None and cost.compression.kind == "planned":
-        compute: dict[int, float] = {}
-        for k, p in enumerate(peers):
-            compute[p] = compute.get(p, 0.0) + fwd[k] + bwd[k]
         budget = max(compute.values(), default=0.0)
         slow_bw = [
             min(topo.bandwidth[peers[a], peers[b]], topo.bandwidth[peers[b], peers[a]]) for a, b in remote
@@ -156,9 +156,7 @@ def estimate(
         finish_b[k] = start + bwd[k]
     critical = float(finish_f.max() + finish_b.max())
 
-    busy: dict[object, float] = {}
-    for k, p in enumerate(peers):
-        busy[p] = busy.get(p, 0.0) + fwd[k] + bwd[k]
+    busy: dict[object, float] = {**compute}  # peers, then link directions
     for lk in links:
         pa, pb = peers[lk.src], peers[lk.dst]
         if pa != pb:

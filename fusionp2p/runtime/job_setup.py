@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from fusionp2p.config import NAME_RE, ExecLimits, OptimizerConfig, load_json_object
+from fusionp2p.config import NAME_RE, PEER_ID_RE, ExecLimits, OptimizerConfig, load_json_object
 from fusionp2p.errors import ConfigError
 from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.opdag.split import Partition, op_node_names
@@ -27,7 +27,6 @@ __all__ = ["JobSetup"]
 
 _FINGERPRINT_RE = re.compile(r"^[\w.@:\-]{1,80}$")
 _ENGINE_RE = re.compile(r"^[a-z0-9_\-]{1,32}$")
-_PEER_ID_RE = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")
 _MAX_NODES = 1 << 20
 _MAX_MADDRS = 8
 _MAX_MADDR = 256
@@ -87,7 +86,7 @@ def _peers(value: Any, n_stages: int) -> tuple[tuple[str, tuple[str, ...]], ...]
         if not isinstance(item, list) or len(item) != 2 or not isinstance(item[1], list):
             raise ConfigError(f"setup peers holds {item!r:.80}, not a [peer id, multiaddrs] pair")
         peer_id, maddrs = item
-        if not isinstance(peer_id, str) or not _PEER_ID_RE.match(peer_id):
+        if not isinstance(peer_id, str) or not PEER_ID_RE.match(peer_id):
             raise ConfigError(f"setup peer id {peer_id!r:.80} is not a base58 PeerID")
         if len(maddrs) > _MAX_MADDRS or any(
             not isinstance(m, str) or not m.startswith("/") or len(m) > _MAX_MADDR for m in maddrs

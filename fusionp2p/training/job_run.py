@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from hivemind.utils import get_dht_time
@@ -75,7 +75,6 @@ class JobRun:
         events: EventLog,
         *,
         registry: ModelRegistry | None = None,
-        out: Callable[[str], Any] = print,
         version: int = 0,
     ) -> None:
         self.swarm = swarm
@@ -85,7 +84,6 @@ class JobRun:
         self.run_dir = run_dir
         self.events = events
         self.registry = registry
-        self.out = out
         self.version = version  # plan versions so far (a resumed run goes on counting)
         self.step = 0  # optimizer steps done (the checkpoint's, after a roll-back)
         self.lost: list[str] = []  # peers left out of every later plan

@@ -231,7 +231,6 @@ def train(
         run_dir,
         events,
         registry=registry,
-        out=out,
         version=max(done_versions, default=0),
     )
     start = time.perf_counter()
