@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,22 +27,36 @@ __all__ = [
     "WireFormat",
     "adaptive_ratios",
     "in_flight",
+    "planned_budgets",
+    "planned_ratios",
+    "stage_in_flight",
 ]
 
 _HEADER_BYTES = 32
 
 
 def in_flight(n_micro_batches: int, n_stages: int, stage: int | None = None) -> int:
-    """Micro-batches whose activations are held at once under 1F1B.
+    """Micro-batches whose activations are held at once under 1F1B: the one definition
+    that the planner's DP, the estimate and the runtime all use.
 
-    The runtime's data owner starts a micro-batch only while fewer than
-    ``min(n_b, S)`` are unfinished, so no stage ever holds more (``stage=None``: the window
-    the runtime enforces and checks memory against); in steady state stage ``k`` of ``S``
-    holds ``min(n_b, S - k)`` (what the estimate plans a stage's memory with).
+    Stage ``k`` of ``S`` holds ``min(n_b, S - k)``: the runtime starts a forward there only
+    once the backward of the micro-batch that many before it finished there
+    (``runtime.compute``). ``stage=None``: the data owner's window, ``min(n_b, S)``
+    micro-batches unfinished in the whole pipeline.
     """
     if stage is None:
         return max(1, min(n_micro_batches, n_stages))
     return max(1, min(n_micro_batches, n_stages - stage))
+
+
+def stage_in_flight(n_micro_batches: int, stage_peers: Sequence[object]) -> list[int]:
+    """Per stage of a plan (``stage_peers[k]`` runs stage k), the micro-batches it holds:
+    ``in_flight`` of the stage, except that a peer running several stages runs them as one
+    runtime stage, gated as its first one, so each of them holds that many."""
+    first: dict[object, int] = {}
+    for k, peer in enumerate(stage_peers):
+        first.setdefault(peer, k)
+    return [in_flight(n_micro_batches, len(stage_peers), first[peer]) for peer in stage_peers]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,7 +88,8 @@ class CompressionPolicy:
 
     kind: CompressionKind = "adaptive"
     ratio: float = 100.0  # the user's ratio: uniform uses it everywhere, adaptive on average
-    max_ratio: float = 1000.0  # no link is compressed harder than this (planned: its only knob)
+    max_ratio: float = 1000.0  # no link is compressed harder than this
+    slack: float = 0.05  # planned: the share of iteration time its links may add over latency alone
 
     def __post_init__(self) -> None:
         if self.kind not in ("none", "uniform", "adaptive", "planned"):
@@ -82,6 +98,8 @@ class CompressionPolicy:
             )
         if not (self.ratio >= 1 and math.isfinite(self.ratio)) or self.max_ratio < self.ratio:
             raise ConfigError(f"need 1 <= ratio <= max_ratio, got {self.ratio} / {self.max_ratio}")
+        if not 0 <= self.slack < 1:
+            raise ConfigError(f"CompressionPolicy.slack must be in [0, 1), got {self.slack}")
 
 
 def adaptive_ratios(dense_times: np.ndarray, policy: CompressionPolicy) -> np.ndarray:
@@ -123,6 +141,25 @@ def planned_ratios(
     needed = (dense / wire.dense_value_bytes) / entries * (1 + 1e-9)  # so ceil() keeps to ``entries``
     ratio = np.where(dense <= room, 1.0, np.where(room > _HEADER_BYTES, needed, policy.max_ratio))
     return np.clip(ratio, 1.0, policy.max_ratio)
+
+
+def planned_budgets(
+    latency: np.ndarray | float,
+    bottleneck_s: np.ndarray | float,
+    iteration_s: np.ndarray | float,
+    n_links: int,
+    policy: CompressionPolicy,
+) -> np.ndarray:
+    """Seconds each link of a ``planned`` plan may take per micro-batch and direction.
+
+    A link is hidden under the bottleneck peer's compute ``bottleneck_s`` (so it is never
+    the busiest resource), and also adds at most its share of ``policy.slack`` of the
+    iteration to the critical path: ``iteration_s`` is the iteration with every link at
+    its latency alone, ``L + (n_b - 1) B``, and each of the ``2 * n_links`` directions gets
+    an equal share. Without that second bound a link at exactly the bottleneck time
+    would still lengthen the critical path by that much, per hop and per direction."""
+    share = policy.slack * np.asarray(iteration_s, dtype=float) / max(1, 2 * n_links)
+    return np.minimum(np.asarray(bottleneck_s, dtype=float), np.asarray(latency, dtype=float) + share)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,7 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from fusionp2p.opdag.ir import OpDag
-from fusionp2p.planning.cost import CostConfig, adaptive_ratios, in_flight, planned_ratios
+from fusionp2p.planning.cost import (
+    CostConfig,
+    adaptive_ratios,
+    planned_budgets,
+    planned_ratios,
+    stage_in_flight,
+)
 from fusionp2p.planning.topology import PlanningError, Topology
 
 __all__ = ["Estimate", "LinkEstimate", "Stage", "estimate", "estimate_segments"]
@@ -62,6 +68,20 @@ class Estimate:
     def iteration_s(self) -> float:
         """The pipelined iteration time, or inf when the partition does not fit in memory."""
         return self.pipelined_s if self.fits else float("inf")
+
+
+def _critical_path(fwd: np.ndarray, bwd: np.ndarray, hops: Sequence[tuple[int, int, float, float]]) -> float:
+    """Forward plus backward critical path of stages in topological order; ``hops`` are
+    (src stage, dst stage, forward seconds, backward seconds)."""
+    finish_f = np.zeros(len(fwd))
+    for k in range(len(fwd)):
+        start = max((finish_f[a] + f for a, b, f, _ in hops if b == k), default=0.0)
+        finish_f[k] = start + fwd[k]
+    finish_b = np.zeros(len(bwd))
+    for k in reversed(range(len(bwd))):
+        start = max((finish_b[b] + g for a, b, _, g in hops if a == k), default=0.0)
+        finish_b[k] = start + bwd[k]
+    return float(finish_f.max() + finish_b.max())
 
 
 def estimate(
@@ -112,14 +132,18 @@ def estimate(
         slow_bw = [
             min(topo.bandwidth[peers[a], peers[b]], topo.bandwidth[peers[b], peers[a]]) for a, b in remote
         ]
-        slow_lat = [
-            max(topo.latency[peers[a], peers[b]], topo.latency[peers[b], peers[a]]) for a, b in remote
+        slow_lat = np.array(
+            [max(topo.latency[peers[a], peers[b]], topo.latency[peers[b], peers[a]]) for a, b in remote]
+        )
+        at_latency = [
+            (a, b, topo.latency[peers[a], peers[b]], topo.latency[peers[b], peers[a]]) for a, b in remote
         ]
+        fastest = _critical_path(fwd, bwd, at_latency) + (n_b - 1) * budget
         planned = planned_ratios(
             np.array([traffic[ab] for ab in remote], dtype=float),
             np.array(slow_bw),
-            np.array(slow_lat),
-            budget,
+            slow_lat,
+            planned_budgets(slow_lat, budget, fastest, len(remote), cost.compression),
             cost.compression,
             cost.wire,
         )
@@ -146,15 +170,7 @@ def estimate(
             )
         )
 
-    finish_f = np.zeros(len(stages))
-    for k in range(len(stages)):
-        start = max((finish_f[lk.src] + lk.fwd_s for lk in links if lk.dst == k), default=0.0)
-        finish_f[k] = start + fwd[k]
-    finish_b = np.zeros(len(stages))
-    for k in reversed(range(len(stages))):
-        start = max((finish_b[lk.dst] + lk.bwd_s for lk in links if lk.src == k), default=0.0)
-        finish_b[k] = start + bwd[k]
-    critical = float(finish_f.max() + finish_b.max())
+    critical = _critical_path(fwd, bwd, [(lk.src, lk.dst, lk.fwd_s, lk.bwd_s) for lk in links])
 
     busy: dict[object, float] = {**compute}  # peers, then link directions
     for lk in links:
@@ -164,11 +180,10 @@ def estimate(
             busy[pb, pa] = busy.get((pb, pa), 0.0) + lk.bwd_s
     bottleneck = max(busy.values())
 
-    n_stages = len(stages)
     memory = [
         cost.param_multiplier * sum(dag.nodes[i].param_bytes for i in s.nodes)
-        + in_flight(n_b, n_stages, k) * sum(dag.nodes[i].saved_bytes for i in s.nodes)
-        for k, s in enumerate(stages)
+        + held * sum(dag.nodes[i].saved_bytes for i in s.nodes)
+        for s, held in zip(stages, stage_in_flight(n_b, peers), strict=True)
     ]
     per_peer: dict[int, float] = {}
     for k, p in enumerate(peers):

@@ -14,7 +14,7 @@ import numpy as np
 
 from fusionp2p.opdag.ir import OpDag
 from fusionp2p.planning.chain import ChainCosts
-from fusionp2p.planning.cost import CostConfig, adaptive_ratios, planned_ratios
+from fusionp2p.planning.cost import CostConfig, adaptive_ratios, planned_budgets, planned_ratios
 from fusionp2p.planning.estimate import Stage, estimate
 from fusionp2p.planning.plan import Plan
 from fusionp2p.planning.topology import PlanningError, Topology
@@ -70,11 +70,13 @@ def exact_plan(
             bw_f, bw_b = topo.bandwidth[src, dst], topo.bandwidth[dst, src]
             if cost.compression.kind == "planned":
                 budget = np.max(cf + cb, axis=1, keepdims=True)  # one peer per stage here
+                fastest = (cf.sum(1) + cb.sum(1) + lat_f.sum() + lat_b.sum())[:, None] + (n_b - 1) * budget
+                slow_lat = np.maximum(lat_f, lat_b)
                 ratios = planned_ratios(
                     cut_bytes,
                     np.minimum(bw_f, bw_b),
-                    np.maximum(lat_f, lat_b),
-                    budget,
+                    slow_lat,
+                    planned_budgets(slow_lat, budget, fastest, k - 1, cost.compression),
                     cost.compression,
                     cost.wire,
                 )

@@ -7,9 +7,9 @@ constraint binds, with numbers, instead of blaming the weights:
    it (its weights, grads and optimizer state, plus its saved activations for one
    micro-batch);
 2. the whole model needs more than all candidate peers offer together (each stage keeps
-   its activations for the micro-batches in flight, ``cost.in_flight``);
+   the activations of at least one micro-batch);
 3. neither, so the memory is there but scattered: no contiguous split puts each piece on
-   a peer that can hold it.
+   a peer that can hold it (stage k of S keeps ``cost.in_flight`` micro-batches).
 """
 
 from __future__ import annotations
@@ -48,17 +48,18 @@ def explain_no_fit(dag: OpDag, topo: Topology, cost: CostConfig, peers: list[int
             f"{_gib(cost.param_multiplier * node.param_bytes)}, activations {_gib(activations)} per "
             f"micro-batch) and the largest peer offers {_gib(largest)} usable: try {knob}"
         )
-    window = in_flight(cost.n_micro_batches, max(1, len(peers)))
-    total = sum(cost.param_multiplier * n.param_bytes + window * n.saved_bytes for n in dag.nodes)
+    total = sum(needs)  # every stage holds at least one micro-batch's activations
     if total > sum(usable):
         return (
-            f"the model needs about {_gib(total)} over all its stages (weights, grads, optimizer state, "
-            f"and activations of up to {window} micro-batch(es) in flight) and the {len(peers)} candidate "
-            f"peer(s) offer {_gib(sum(usable))} usable in total: try more peers, fewer micro-batches "
-            f"per step, or a smaller micro-batch"
+            f"the model needs at least {_gib(total)} over all its stages (weights, grads, optimizer state, "
+            f"and activations of at least one micro-batch in flight each) and the {len(peers)} candidate "
+            f"peer(s) offer {_gib(sum(usable))} usable in total: try more peers or a smaller micro-batch"
         )
+    window = in_flight(cost.n_micro_batches, max(1, len(peers)))
     return (
         f"the {len(peers)} candidate peer(s) offer {_gib(sum(usable))} usable in total (the largest "
-        f"{_gib(largest)}) for a model of about {_gib(total)}, but no contiguous split puts each piece "
-        f"on a peer that can hold it: try peers with more memory each, or a smaller micro-batch"
+        f"{_gib(largest)}) for a model of at least {_gib(total)}, but no contiguous split puts each piece "
+        f"on a peer that can hold it (stage k of S keeps the activations of "
+        f"min({cost.n_micro_batches}, S - k) micro-batches, up to {window} here): try peers with more "
+        f"memory each, fewer micro-batches per step, or a smaller micro-batch"
     )

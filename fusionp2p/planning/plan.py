@@ -8,16 +8,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from fusionp2p.opdag.ir import OpDag
-from fusionp2p.planning.cost import CostConfig
+from fusionp2p.planning.cost import CostConfig, in_flight, stage_in_flight
 from fusionp2p.planning.estimate import Estimate, Stage, estimate
 from fusionp2p.planning.topology import PlanningError, Topology
 from fusionp2p.records import PlanStageRecord
 
-__all__ = ["Plan", "RuntimeRatios", "dag_fingerprint", "node_ranges"]
+__all__ = ["Plan", "RuntimeLayout", "RuntimeRatios", "dag_fingerprint", "node_ranges"]
 
 RuntimeRatios = dict[tuple[int, int], float]  # (sending stage, receiving stage) -> Top-K ratio
+
+
+class RuntimeLayout(NamedTuple):
+    """How a runtime runs a plan: runtime stage 0 is the data owner, then one stage per
+    other peer (a peer's plan stages run as one runtime stage)."""
+
+    peers: tuple[str, ...]  # per runtime stage
+    assignment: tuple[int, ...]  # the runtime stage of each OP-DAG position
+    ratios: RuntimeRatios  # Top-K ratio of each runtime link
+    in_flight: tuple[int, ...]  # per runtime stage: micro-batches it holds at once (what the plan counted)
 
 
 def dag_fingerprint(dag: OpDag) -> str:
@@ -56,15 +67,13 @@ class Plan:
     clusters: tuple[tuple[str, ...], ...] = field(default=())  # peer ids per bandwidth cluster
     version: int = 1  # a re-plan of the same job gets the next one; OpData names it
 
-    def layout(
-        self, data_owner: str
-    ) -> tuple[tuple[str, ...], tuple[int, ...], dict[tuple[int, int], float]]:
-        """How a runtime runs this plan with ``data_owner`` as its stage 0.
-
-        Returns the runtime stages' peers (the data owner, then every other peer in the
-        order of its first plan stage: a peer's plan stages run as one runtime stage), the
-        runtime stage of each OP-DAG position, and the Top-K ratio of each runtime link.
-        """
+    def layout(self, data_owner: str) -> RuntimeLayout:
+        """How a runtime runs this plan with ``data_owner`` as its stage 0: the runtime
+        stages' peers (the data owner, then every other peer in the order of its first plan
+        stage), the runtime stage of each OP-DAG position, the Top-K ratio of each runtime
+        link, and each runtime stage's micro-batches in flight: the data owner's window, and
+        for every other peer what the estimate counted for its plan stages
+        (``cost.stage_in_flight``)."""
         order = [data_owner, *(p for p in dict.fromkeys(self.peer_ids) if p != data_owner)]
         index = {peer: i for i, peer in enumerate(order)}
         runtime = [index[peer] for peer in self.peer_ids]
@@ -75,7 +84,13 @@ class Plan:
             if runtime[a] != runtime[b] and ratio > 1:
                 key = (runtime[a], runtime[b])
                 ratios[key] = min(ratios.get(key, ratio), ratio)  # two plan links on one: the milder
-        return tuple(order), assignment, ratios
+        depths = stage_in_flight(self.n_micro_batches, self.peer_ids)
+        per_stage = dict(zip(self.peer_ids, depths, strict=True))
+        held = [in_flight(self.n_micro_batches, len(order))]
+        held += [per_stage[peer] for peer in order[1:]]
+        if data_owner in per_stage:  # the data owner runs plan stages too: the larger of the two
+            held[0] = max(held[0], per_stage[data_owner])
+        return RuntimeLayout(tuple(order), assignment, ratios, tuple(held))
 
     @classmethod
     def build(
