@@ -288,6 +288,7 @@ class Swarm:
         epoch: int = 0,
         job: str | None = None,
         initial_state: Mapping[str, torch.Tensor] | None = None,
+        dense_warmup: int = 0,
     ) -> Pipeline:
         """Sets ``spec``'s model up over live peers; this process runs stage 0 (it reads the
         raw inputs and computes the loss, which never leave it).
@@ -301,7 +302,8 @@ class Swarm:
         ``--allow-model``); ``registry`` is what this process builds the model from
         (default: built-ins, installed entry points, and ``spec.family`` if it is an
         import path). ``initial_state`` (a checkpoint's tensors by name) replaces the
-        model's initial weights and optimizer state on every stage.
+        model's initial weights and optimizer state on every stage. The first
+        ``dense_warmup`` iterations are sent dense, whatever the plan's Top-K ratios.
 
         Raises:
             SwarmError: fewer live peers than ``n_stages - 1``.
@@ -321,6 +323,7 @@ class Swarm:
                 ratios=ratios,
                 timeout=timeout,
                 registry=registry,
+                dense_warmup=dense_warmup,
             )
         if not isinstance(plan, Plan):
             plan = self.plan(
@@ -334,7 +337,7 @@ class Swarm:
 
         async def create() -> PipelineDriver:
             transport = await self._transport()
-            order, layout, link_ratios = plan.layout(transport.peer_id)
+            order, layout, link_ratios, held = plan.layout(transport.peer_id)
             missing = [p[-8:] for p in order[1:] if p not in live]
             if missing:
                 raise SwarmError(f"peers {missing} of the plan are no longer live: plan again")
@@ -356,6 +359,8 @@ class Swarm:
                 epoch=epoch,
                 job=job,
                 initial_state=initial_state,
+                in_flight=held,
+                dense_warmup=dense_warmup,
             )
 
         driver = self._run(create())

@@ -273,7 +273,7 @@ def test_a_stage_too_large_for_max_memory_is_refused() -> None:
 
 
 _GOOD = {
-    "v": 3,
+    "v": 4,
     "job": "j1",
     "spec": {"family": "gpt2", "config": {}, "input_shape": [1, 4], "input_dtype": "int64", "seed": 0},
     "assignment": [[0, 3], [1, 2]],
@@ -289,6 +289,7 @@ _GOOD = {
     "engine": "torch",
     "plan_version": 1,
     "epoch": 0,
+    "dense_warmup": 20,
 }
 _WRONG = [None, True, -1, 2**70, 1.5, "x" * 300, [], [[]], {}, {"a": [1]}, "../../etc"]
 
@@ -303,6 +304,14 @@ def test_every_setup_field_of_a_wrong_type_is_a_config_error(key: str) -> None:
         except ConfigError:
             continue
         assert (key, wrong) in (("ratios", []), ("optimizer", {})), (key, wrong)  # harmless: the defaults
+
+
+def test_a_setup_round_trips_and_refuses_another_version() -> None:
+    setup = JobSetup.from_json(json.dumps(_GOOD).encode())
+    assert JobSetup.from_json(setup.to_json()) == setup
+    assert (setup.in_flight, setup.dense_warmup) == (2, 20)
+    with pytest.raises(ConfigError, match="version 3"):
+        JobSetup.from_json(json.dumps({**_GOOD, "v": 3}).encode())
 
 
 def test_setup_sizes_are_bounded() -> None:

@@ -162,3 +162,22 @@ def test_opdata_of_another_plan_version_is_dropped(swarm: Swarm) -> None:
         with pytest.raises(ConfigError, match=rf"micro-batch 0: inputs of shape .* traced for {expected}"):
             pipe.run_iteration(wrong)
         assert len(pipe.run_iteration(_batches(GPT2, 1))) == N_MB  # refused before anything was sent
+
+
+def test_each_stage_holds_the_micro_batches_its_plan_counted(swarm: Swarm) -> None:
+    n_b = 6  # more than the stages, so 1F1B's per-stage depths differ from the window
+    plan = swarm.plan(GPT2, method="equal-number/none", n_micro_batches=n_b)
+    assert len(set(plan.peer_ids)) == 3
+    with swarm.pipeline(GPT2, plan=plan, optimizer=OPT) as pipe:
+        held = [setup.in_flight for setup in pipe.driver.setups]
+        assert held == [4, 3, 2, 1]  # the data owner's window, then min(n_b, S - k) per plan stage
+        peaks = []
+        for it in range(3):
+            batches = [b for b in _batches(GPT2, it) for _ in range(2)]
+            assert len(pipe.run_iteration(batches)) == n_b
+            pipe.step()
+            peaks.append(list(pipe.driver.stage_held))
+        for peak in peaks:
+            assert all(1 <= p <= h for p, h in zip(peak, held, strict=True)), (peaks, held)
+        # the first stage is sent 4 micro-batches at once and keeps 3: its gate was what bound
+        assert max(peak[1] for peak in peaks) == held[1], peaks

@@ -38,11 +38,11 @@ def gpt2():
 
 
 def _run_inprocess(
-    spec: ModelSpec, traced, assignment, n_stages: int, loss: str, batches, ratios=None, sent=None
+    spec: ModelSpec, traced, assignment, n_stages: int, loss: str, batches, ratios=None, sent=None, exes=None
 ):
     part = partition(traced.program, assignment, n_stages)
     opt = OptimizerConfig(lr=1e-2, eps=1e-6)
-    exes = [
+    exes = exes or [
         TorchExecutor(
             traced.program,
             part,
@@ -55,15 +55,16 @@ def _run_inprocess(
         )
         for s in range(n_stages)
     ]
+    it = exes[0].iteration
     queue = []
     for m, (x, y) in enumerate(batches):
-        queue += exes[0].start(0, m, {part.segments[0].nodes[0]: x}, y)
+        queue += exes[0].start(it, m, {part.segments[0].nodes[0]: x}, y)
         while queue:
             msg = queue.pop(0)
             if sent is not None:
                 sent.append(msg)
             queue += exes[msg.header.dst_stage].accept(msg.header, msg.body)
-    assert all(e.ready_to_step(0, len(batches)) for e in exes)
+    assert all(e.ready_to_step(it, len(batches)) for e in exes)
     grads = {k: p.grad for e in exes for k, p in e.params.items()}
     return part, exes, [exes[0].losses[m] for m in range(len(batches))], grads
 
@@ -297,3 +298,33 @@ def test_topk_on_the_wire_gives_the_exact_gradient_of_the_compressed_forward() -
         header = TopKHeader.from_wire(m.header.compression)
         assert header.index_format == "shared" and len(m.body) == 4 * header.k
         assert header.k * 8 <= header.numel + 8
+
+
+def test_dense_warmup_sends_everything_dense_before_the_ratios_apply() -> None:
+    spec = ModelSpec("user_models:SkipNet", {"hidden": 64}, input_shape=(8, 12), input_dtype="float32")
+    traced = trace_module(spec.build(LOCAL), [spec.example_input()])
+    ops = op_node_names(traced.program.graph)
+    assignment = [i * 2 // len(ops) for i in range(len(ops))]
+    part = partition(traced.program, assignment, 2)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(2)]
+    exes = [
+        TorchExecutor(
+            traced.program,
+            part,
+            s,
+            job="j",
+            n_micro_batches=len(batches),
+            loss_fn=LOSSES["classification"],
+            ratios={0: 8.0, 1: 8.0},
+            dense_warmup=1,
+        )
+        for s in range(2)
+    ]
+    for it in range(2):
+        sent: list = []
+        _run_inprocess(spec, traced, assignment, 2, "classification", batches, sent=sent, exes=exes)
+        compressed = [m for m in sent if m.header.compression]
+        assert sent and (not compressed if it == 0 else compressed), it  # from iteration 1 on: Top-K
+        for e in exes:
+            e.step(it)

@@ -37,7 +37,7 @@ __all__ = [
 EXEC_PROTOCOL = "/fusionp2p/exec/2"
 CONTROL_REPLY_BYTES = 4 << 10  # an ACK or an ERROR reason
 CREDIT = struct.Struct("!Q")  # an OpData ACK's payload: bytes the receiver takes in flight from this sender
-STEP_REPLY = struct.Struct("!d")  # a step ACK's payload: seconds the stage computed in the iteration
+STEP_REPLY = struct.Struct("!dI")  # a step ACK's payload: seconds computed, most micro-batches held at once
 _LEN = struct.Struct("!H")
 ExecHeader = OpData | ExecControl
 

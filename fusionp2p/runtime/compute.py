@@ -6,6 +6,14 @@ a micro-batch's memory) and in arrival order otherwise, several items per hop; w
 returns is handed back to the event loop (messages to send, whether the iteration's
 backward is done), never read from the executor by the loop. A full queue holds the
 reader of the next OpData back, and so its sender: back-pressure, not memory growth.
+
+1F1B per stage: a forward OpData of micro-batch m waits (held aside, its body counted in
+its sender's inbound budget) until fewer than the stage's ``setup.in_flight``
+micro-batches hold activations here, i.e. until ``m < done + in_flight`` with ``done`` the
+micro-batches whose backward finished here. Stage k of S holds ``min(n_b, S - k)``
+(``planning.cost.in_flight``), what the planner and the memory check count. A held
+forward only ever waits for the backward of an earlier micro-batch, and backwards are
+never held, so this cannot deadlock.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ class ComputeQueue:
         self._seq = 0  # keeps arrival order within a priority
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="fusionp2p-exec")
         self._progress = asyncio.Condition()
+        self._held: list[Work] = []  # forwards waiting for their stage's 1F1B window
 
     async def in_pool(self, fn: Callable[[], T]) -> T:
         """Runs ``fn`` on the compute thread."""
@@ -68,17 +77,53 @@ class ComputeQueue:
 
     async def run(self) -> None:
         while True:
-            batch = [(await self._inbox.get())[-1]]
+            batch = self._released()
+            while not batch:
+                self._take((await self._inbox.get())[-1], batch)
             while len(batch) < _BATCH and not self._inbox.empty():
-                batch.append(self._inbox.get_nowait()[-1])
+                self._take(self._inbox.get_nowait()[-1], batch)
             try:
                 await self._run_batch(batch)
             finally:
                 for item in batch:
-                    item.job.queued -= 1
-                    if item.reservation is not None:
-                        item.reservation.release()
+                    self._finish(item)
                 await self.notify()
+
+    @staticmethod
+    def _gated(work: Work) -> bool:
+        """Whether ``work`` is a forward its stage's 1F1B window does not admit yet."""
+        job, micro_batch = work.job, work.forward_of
+        if work.header is None or micro_batch is None or job.closed or job.failure is not None:
+            return False  # the data owner's own starts are gated by its driver
+        return micro_batch >= job.micro_batches_done + job.setup.in_flight
+
+    def _take(self, work: Work, batch: list[Work]) -> None:
+        if self._gated(work):
+            self._held.append(work)
+        else:
+            self._admitted(work)
+            batch.append(work)
+
+    def _released(self) -> list[Work]:
+        """Held forwards their window now admits (or whose job ended: they run as no-ops)."""
+        out = [w for w in self._held if not self._gated(w)]
+        if out:
+            self._held = [w for w in self._held if self._gated(w)]
+            for work in out:
+                self._admitted(work)
+        return out
+
+    def _admitted(self, work: Work) -> None:
+        job, micro_batch = work.job, work.forward_of
+        if micro_batch is not None:
+            job.forwards.add(micro_batch)
+            job.held_peak = max(job.held_peak, len(job.forwards) - job.micro_batches_done)
+
+    @staticmethod
+    def _finish(work: Work) -> None:
+        work.job.queued -= 1
+        if work.reservation is not None:
+            work.reservation.release()
 
     async def _run_batch(self, batch: list[Work]) -> None:
         """Runs queued items in one hop to the compute thread (each one's failure is its own)."""
@@ -191,6 +236,8 @@ class ComputeQueue:
         job.micro_batches_done, seconds = await self.in_pool(step)
         job.iteration = iteration + 1
         job.seen.clear()
+        job.forwards.clear()
+        job.last_held_peak, job.held_peak = job.held_peak, 0
         job.last_step_s, job.compute_s = job.compute_s + seconds, 0.0
         return job.last_step_s
 

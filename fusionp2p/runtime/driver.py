@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
@@ -102,6 +103,7 @@ class PipelineDriver:
         self.setups = setups
         self.iteration = 0
         self.stage_seconds: list[float] = []  # per stage: compute seconds of the last iteration
+        self.stage_held: list[int] = []  # per stage: most micro-batches held at once in the last iteration
         self._clients = clients
         self._limits = limits
         self._input_name = next(s for s in part.segments if s.kind == "source").nodes[0]
@@ -137,6 +139,8 @@ class PipelineDriver:
         expect_dag: str | None = None,
         epoch: int = 0,
         initial_state: Mapping[str, torch.Tensor] | None = None,
+        in_flight: Sequence[int] | None = None,
+        dense_warmup: int = 0,
     ) -> PipelineDriver:
         """Traces and splits the model, and sets up every stage.
 
@@ -152,6 +156,9 @@ class PipelineDriver:
         ``epoch`` the coordinator epoch of a published plan (each stage checks it is in force).
         ``initial_state`` (a checkpoint: every tensor by name, optimizer state as
         ``name#key``) replaces the traced initial weights on every stage, this one included.
+        ``in_flight[s]``: the micro-batches stage ``s`` may hold at once (a plan's
+        ``RuntimeLayout.in_flight``; default ``JobSetup.for_stages``'s 1F1B depths).
+        ``dense_warmup``: iterations every stage sends dense before its Top-K ratios apply.
 
         Raises:
             ConfigError: a bad assignment, loss, peer list or model config, or a checkpoint
@@ -202,6 +209,8 @@ class PipelineDriver:
             plan_version=plan_version,
             epoch=epoch,
             planned=assignment if epoch and isinstance(assignment, Sequence) else None,
+            in_flight=in_flight,
+            dense_warmup=dense_warmup,
         )
         ratio_items = setups[data_stage].ratios
         executor = TorchExecutor(
@@ -214,6 +223,7 @@ class PipelineDriver:
             loss_fn=LOSSES[loss],
             ratios=dict(ratio_items),
             plan_version=plan_version,
+            dense_warmup=dense_warmup,
         )
         if initial_state is not None:
             _check_checkpoint(traced, part, initial_state)
@@ -295,7 +305,7 @@ class PipelineDriver:
             start = functools.partial(
                 self.executor.start, self.iteration, m, {self._input_name: inputs}, labels
             )
-            await self.service.submit(self.job, start)
+            await self.service.submit(self.job, start, starts=m)
         await self.service.wait_ready(self.job)
         return [self.executor.losses[m] for m in range(self.n_micro_batches)]
 
@@ -308,12 +318,11 @@ class PipelineDriver:
             self.service.step(self.job),
             asyncio.gather(*(client.request(header) for client in self._clients.values())),
         )
-        seconds = {self.partition.data_stage: own}
+        reports = {self.partition.data_stage: own}
         for stage, (_, payload) in zip(self._clients, replies, strict=True):
-            seconds[stage] = (
-                STEP_REPLY.unpack(payload)[0] if len(payload) == STEP_REPLY.size else float("nan")
-            )
-        self.stage_seconds = [seconds[s] for s in sorted(seconds)]
+            reports[stage] = STEP_REPLY.unpack(payload) if len(payload) == STEP_REPLY.size else (math.nan, 0)
+        self.stage_seconds = [reports[s][0] for s in sorted(reports)]
+        self.stage_held = [reports[s][1] for s in sorted(reports)]
         self.iteration += 1
 
     async def train_step(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:

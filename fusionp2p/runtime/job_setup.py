@@ -21,9 +21,9 @@ from fusionp2p.errors import ConfigError
 from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.opdag.split import Partition, op_node_names
 from fusionp2p.opdag.trace import TracedModel
-from fusionp2p.planning.cost import in_flight as in_flight_window
+from fusionp2p.planning.cost import in_flight
 
-__all__ = ["JobSetup"]
+__all__ = ["JobSetup", "default_in_flight"]
 
 _FINGERPRINT_RE = re.compile(r"^[\w.@:\-]{1,80}$")
 _ENGINE_RE = re.compile(r"^[a-z0-9_\-]{1,32}$")
@@ -114,11 +114,21 @@ def _ratios(value: Any, n_stages: int) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
+def default_in_flight(n_micro_batches: int, part: Partition) -> list[int]:
+    """Per stage of ``part``, the micro-batches it holds at once without a plan to say:
+    the data stage the whole window, the others in order as 1F1B stages of a pipeline
+    of ``S - 1`` (the data owner's stage only adds the source and the loss)."""
+    others = [s for s in range(part.n_stages) if s != part.data_stage]
+    held = {s: in_flight(n_micro_batches, len(others), k) for k, s in enumerate(others)}
+    held[part.data_stage] = in_flight(n_micro_batches, part.n_stages)
+    return [held[s] for s in range(part.n_stages)]
+
+
 @dataclass(frozen=True)
 class JobSetup:
     """Everything a stage needs to build its executor."""
 
-    VERSION: ClassVar[int] = 3  # 3: the coordinator's epoch
+    VERSION: ClassVar[int] = 4  # 3: the coordinator's epoch; 4: per-stage in_flight, dense_warmup
 
     job: str  # 1-64 letters, digits, '-' or '_'
     spec: ModelSpec
@@ -135,6 +145,7 @@ class JobSetup:
     engine: str = "torch"  # the execution engine that runs the stage (a PeerRecord lists its engines)
     plan_version: int = 1  # every OpData of the job names it; another version's is dropped
     epoch: int = 0  # the coordinator epoch whose published plan this follows; 0: the owner's own split
+    dense_warmup: int = 0  # iterations sent dense before the Top-K ratios apply
 
     def peer_of(self, stage: int) -> str:
         return self.peers[stage][0]
@@ -154,17 +165,28 @@ class JobSetup:
         plan_version: int = 1,
         epoch: int = 0,
         planned: Sequence[int] | None = None,
+        in_flight: Sequence[int] | None = None,
+        dense_warmup: int = 0,
     ) -> list[JobSetup]:
         """One setup per stage of ``part`` (a split of ``traced``, the traced ``spec``);
         ``link_ratios[(a, b)]`` is the Top-K ratio of what stage ``a`` sends stage ``b``.
         ``planned`` is a published plan's assignment as it was planned: it travels instead
         of ``part``'s normalized one, so each stage can compare it with the plan in the DHT
-        (the split normalizes it the same way everywhere)."""
+        (the split normalizes it the same way everywhere). ``in_flight[s]``: the
+        micro-batches stage ``s`` holds at once; by default the data stage's window
+        ``min(n_b, S)`` and, for the others in order, 1F1B's ``min(n_b, S - 1 - k)``
+        (``planning.cost.in_flight``).
+
+        Raises:
+            ConfigError: ``in_flight`` is not one value in [1, n_micro_batches] per stage."""
         if planned is not None:
             assignment = tuple(planned)
         else:
             assignment = tuple(part.stage_of[n] for n in op_node_names(traced.program.graph))
         ratios = link_ratios or {}
+        held = list(in_flight) if in_flight is not None else default_in_flight(n_micro_batches, part)
+        if len(held) != part.n_stages or not all(1 <= h <= n_micro_batches for h in held):
+            raise ConfigError(f"in_flight needs one value in [1, {n_micro_batches}] per stage, got {held}")
         return [
             cls(
                 job=job,
@@ -178,9 +200,10 @@ class JobSetup:
                 optimizer=optimizer,
                 fingerprint=traced.dag.fingerprint,
                 ratios=tuple(sorted((b, r) for (a, b), r in ratios.items() if a == stage and r > 1)),
-                in_flight=in_flight_window(n_micro_batches, part.n_stages),
+                in_flight=held[stage],
                 plan_version=plan_version,
                 epoch=epoch,
+                dense_warmup=dense_warmup,
             )
             for stage in range(part.n_stages)
         ]
@@ -204,6 +227,7 @@ class JobSetup:
                 "engine": self.engine,
                 "plan_version": self.plan_version,
                 "epoch": self.epoch,
+                "dense_warmup": self.dense_warmup,
             }
         ).encode()
 
@@ -237,4 +261,5 @@ class JobSetup:
             engine=_str(body, "engine", _ENGINE_RE),
             plan_version=_int(body, "plan_version", 0, 1 << 62),
             epoch=_int(body, "epoch", 0, 1 << 62),
+            dense_warmup=_int(body, "dense_warmup", 0, 1 << 62),
         )

@@ -44,6 +44,14 @@ class Work:
     body: Body = b""
     call: Callable[[], list[Message]] | None = None
     reservation: Reservation | None = None
+    starts: int | None = None  # the micro-batch whose forward a data owner's call starts
+
+    @property
+    def forward_of(self) -> int | None:
+        """The micro-batch whose forward this item is part of (None: a backward or a step)."""
+        if self.header is not None:
+            return self.header.micro_batch if self.header.direction == "forward" else None
+        return self.starts
 
 
 @dataclass
@@ -64,6 +72,9 @@ class Job:
     compute_s: float = 0.0  # compute-thread seconds spent on this iteration so far
     last_step_s: float = 0.0  # compute seconds of the last finished iteration
     seen: set[tuple[object, ...]] = field(default_factory=set)  # OpData accepted this iteration
+    forwards: set[int] = field(default_factory=set)  # micro-batches whose forward began here this iteration
+    held_peak: int = 0  # the most micro-batches holding activations here at once, this iteration
+    last_held_peak: int = 0  # ... in the last finished iteration
     last_active: float = field(default_factory=time.monotonic)
     closed: bool = False
     max_body: int = 0  # the largest body any message of this job may carry

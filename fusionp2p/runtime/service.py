@@ -293,9 +293,12 @@ class ExecutorService:
             job.seen.discard(opdata_key(header))
             raise
 
-    async def submit(self, job_name: str, call: Callable[[], list[Message]]) -> None:
-        """Runs ``call`` on the compute thread in turn with incoming OpData; sends what it returns."""
-        await self.compute.put(Work(self._job(job_name), call=call))
+    async def submit(
+        self, job_name: str, call: Callable[[], list[Message]], *, starts: int | None = None
+    ) -> None:
+        """Runs ``call`` on the compute thread in turn with incoming OpData; sends what it
+        returns. ``starts``: the micro-batch whose forward the call starts."""
+        await self.compute.put(Work(self._job(job_name), call=call, starts=starts))
 
     async def wait_done(self, job_name: str, micro_batches: int) -> None:
         """Waits until ``micro_batches`` of the job's iteration finished backward here."""
@@ -309,14 +312,17 @@ class ExecutorService:
         """
         await self.compute.wait_ready(self._job(job_name))
 
-    async def step(self, job_name: str) -> float:
+    async def step(self, job_name: str) -> tuple[float, int]:
         """Once the job's iteration is done here, applies the optimizer and moves on; the
-        seconds this stage computed in the iteration.
+        seconds this stage computed in the iteration, and the most micro-batches whose
+        activations it held at once (at most its setup's ``in_flight``).
 
         Raises:
             ProtocolError: the job failed, or its iteration did not finish in time.
         """
-        return await self.compute.step(self._job(job_name))
+        job = self._job(job_name)
+        seconds = await self.compute.step(job)
+        return seconds, job.last_held_peak
 
     # ------------------------------------------------------------ control
     async def _control(
@@ -355,8 +361,7 @@ class ExecutorService:
             data = await self.in_pool(read[header.what])
             reply = ExecControl(command="fetch", job=job.name, what=header.what, body_bytes=len(data))
             return FrameKind.DATA, pack_message(reply, data)
-        seconds = await self.step(job.name)
-        return FrameKind.ACK, STEP_REPLY.pack(seconds)
+        return FrameKind.ACK, STEP_REPLY.pack(*await self.step(job.name))
 
     async def _setup(self, remote: str, name: str, body: bytes | bytearray) -> None:
         self._admit_setup(remote, name)

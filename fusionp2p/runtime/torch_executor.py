@@ -79,9 +79,12 @@ class TorchExecutor(Executor):
         materialize: bool = True,
         plan_version: int = 1,
         device: torch.device | str = "cpu",
+        dense_warmup: int = 0,
     ) -> None:
         """``materialize=False``: ``program`` may be a fake trace; this stage's tensors start
-        empty and ``load_state`` fills them (``missing_state`` says what is still to come)."""
+        empty and ``load_state`` fills them (``missing_state`` says what is still to come).
+        ``ratios[stage]``: Top-K ratio of what this stage sends there, from iteration
+        ``dense_warmup`` on (everything before is sent dense)."""
         if not 0 <= stage < partition.n_stages:
             raise ValueError(f"stage {stage} not in [0, {partition.n_stages})")
         if n_micro_batches < 1:
@@ -93,6 +96,7 @@ class TorchExecutor(Executor):
         self.partition = partition
         self.loss_fn = loss_fn if stage == partition.data_stage else None
         self.ratios = dict(ratios or {})
+        self.dense_warmup = dense_warmup
         self.plan_version = plan_version
         self.device = torch.device(device)
         self.losses: dict[int, float] = {}
@@ -299,6 +303,9 @@ class TorchExecutor(Executor):
             return env[node.name]
         return self.state.tensors[self._placeholder_state[node.name]]
 
+    def _ratio(self, stage: int) -> float:
+        return 1.0 if self.iteration < self.dense_warmup else self.ratios.get(stage, 1.0)
+
     def _send_forward(
         self, mb: _MicroBatch, micro_batch: int, seg: Segment, outputs: Mapping[str, torch.Tensor]
     ) -> list[Message]:
@@ -310,7 +317,7 @@ class TorchExecutor(Executor):
                 if self.partition.segments[r].stage != self.stage
             )
             for dst in stages:
-                compression, body, kept = encode_body(tensor, self.ratios.get(dst, 1.0))
+                compression, body, kept = encode_body(tensor, self._ratio(dst))
                 if kept is not None and tensor.requires_grad:
                     mb.sent_kept[value, dst] = kept
                 consumers = self.partition.reader_nodes(value, dst)
@@ -408,7 +415,7 @@ class TorchExecutor(Executor):
             elif kept is not None:  # it came sparse: its exact gradient lives on the kept positions
                 compression, body = encode_grad_at(grad, kept)
             else:
-                compression, body, _ = encode_body(grad, self.ratios.get(src, 1.0))
+                compression, body, _ = encode_body(grad, self._ratio(src))
             consumers = self.partition.reader_names[value, seg.id]
             header = self._opdata(
                 "backward", value, consumers, leaf, micro_batch, src, compression, body, zero=grad is None

@@ -151,6 +151,7 @@ class JobRun:
             epoch=submitted.epoch,
             job=submitted.run_id,
             initial_state=state,
+            dense_warmup=max(0, self.job.dense_warmup_steps - self.step),
         )
         self.submitted = submitted
         self.running_id = submitted.run_id

@@ -55,6 +55,7 @@ lr = 0.001
 weight_decay = 0.0
 compression = "none"           # "none"; "planned": per link the least Top-K that hides it under the
                                # slowest stage's compute; "adaptive": the paper's, by bandwidth
+dense_warmup_steps = 20        # with compression, the first steps are sent dense
 plan_method = "op-fence"       # or a baseline: "equal-computation/none", ...
 checkpoint_every = 0           # steps between checkpoints; 0: chosen to cost <= 10% of the steps
 min_peers = 2                  # wait for this many idle peers before submitting
@@ -89,6 +90,7 @@ _TOML_FIELDS: dict[tuple[str, str], str] = {
     ("train", "lr"): "lr",
     ("train", "weight_decay"): "weight_decay",
     ("train", "compression"): "compression",
+    ("train", "dense_warmup_steps"): "dense_warmup_steps",
     ("train", "plan_method"): "plan_method",
     ("train", "checkpoint_every"): "checkpoint_every",
     ("train", "min_peers"): "min_peers",
@@ -161,6 +163,7 @@ class JobSpec:
     lr: float = 1e-3
     weight_decay: float = 0.0
     compression: str = "none"
+    dense_warmup_steps: int = 20  # with compression: the first steps go dense (convergence.py)
     plan_method: str = "op-fence"
     checkpoint_every: int = 0  # 0: automatic, so that checkpoints cost <= 10% of the step time
     min_peers: int = 1
@@ -201,6 +204,7 @@ class JobSpec:
             raise ConfigError(
                 f"[train] compression: must be one of {list(COMPRESSIONS)}, got {self.compression!r:.40}"
             )
+        _check_int("dense_warmup_steps", self.dense_warmup_steps, 0, _MAX_STEPS)
         from fusionp2p.data_owner import PLAN_METHODS
 
         if self.plan_method not in PLAN_METHODS:
