@@ -123,3 +123,17 @@ def test_estimate_and_runtime_layout_count_the_same_micro_batches_per_stage() ->
     assert layout.peers == ("owner", "p0", "p1", "p2")
     assert layout.in_flight == (min(8, 4), 4, 3, 1)  # the data owner's window, then each peer's
     assert [in_flight(8, 4, k) for k in range(4)] == [4, 3, 2, 1]
+
+
+def test_when_the_fastest_peers_lack_memory_the_roomiest_are_tried() -> None:
+    # 24 peers in one cluster: 20 fast ones with 0.3 GiB, 4 slow ones with 1.2 GiB. The
+    # model needs ~3.6 GiB, so only the 4 roomy peers together hold it; with 8 candidate
+    # slots the fastest-first candidates (6 fast + 2 roomy) cannot.
+    dag = _chain([0.2 * GB] * 4, [0.05 * GB] * 4)
+    memory = [0.3 * GB] * 20 + [1.2 * GB] * 4
+    speed = [5e12] * 20 + [1e12] * 4
+    topo = Topology.from_arrays([f"p{i}" for i in range(24)], speed, memory, np.full((24, 24), 1e9))
+    cost = CostConfig(n_micro_batches=2, compression=CompressionPolicy(kind="none"))
+    plan = op_fence(dag, topo, cost, max_candidates=8)
+    assert plan.estimate.fits
+    assert sorted(s.peer for s in plan.stages) == [20, 21, 22, 23]

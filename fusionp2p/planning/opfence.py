@@ -3,7 +3,8 @@
 1. Clusters of well-connected peers (Leiden by default).
 2. Cluster orders: all of them for up to 4 clusters, else a greedy chain from each start
    along the fastest inter-cluster links. A large cluster offers its fastest peers and,
-   for a quarter of its candidate slots, those with the most memory. Within a cluster,
+   for a quarter of its candidate slots, those with the most memory; when no order of
+   those fits, it offers the peers with the most memory instead. Within a cluster,
    peers go fastest first, fastest last, most memory first (early stages hold more
    micro-batches), or fastest first with the peers best connected to the previous and
    next clusters at the ends. Up to 5 candidates, every peer order is tried too. With
@@ -315,6 +316,33 @@ def _quick(
     )
 
 
+def _best_of_orders(
+    dag: OpDag,
+    topo: Topology,
+    cost: CostConfig,
+    ranked: list[list[int]],
+    ch: ChainCosts,
+    max_positions: int,
+    refine: int,
+) -> tuple[Estimate, list[Stage]] | None:
+    """The best plan over every cluster order and intra-cluster arrangement of ``ranked``
+    (each cluster's candidates); ``None`` when none fits in memory."""
+    seqs = _sequences(topo, ranked, cluster_orders(topo, ranked))
+    few = sorted(p for r in ranked for p in r)
+    if len(few) <= _EVERY_ORDER:  # a handful of peers: every order is cheap
+        seqs += [list(p) for p in itertools.permutations(few) if list(p) not in seqs]
+    if len(seqs) > refine:  # many candidates: a quick single pass picks the ones worth refining
+        quick = [_quick(dag, topo, cost, s, ch, max_positions) for s in seqs]
+        score = [q[0].iteration_s if q else math.inf for q in quick]
+        seqs = [seqs[i] for i in np.argsort(score, kind="stable")[:refine] if math.isfinite(score[i])]
+    best: tuple[Estimate, list[Stage]] | None = None
+    for seq in seqs:
+        found = search_sequence(dag, topo, cost, seq, max_positions=max_positions, ch=ch)
+        if found and (best is None or found[0].iteration_s < best[0].iteration_s):
+            best = found
+    return best if best is not None and math.isfinite(best[0].iteration_s) else None
+
+
 def _memory_orders(
     topo: Topology, candidates: Sequence[int], seed: int, tries: int = 256
 ) -> Iterator[list[int]]:
@@ -351,24 +379,16 @@ def op_fence(
     """
     clusters = cluster_peers(topo, clustering, seed)
     per_cluster = max(1, min(len(dag), max_candidates // len(clusters)))
-    ranked = [_candidates(topo, c, per_cluster) for c in clusters]
     ch = ChainCosts(dag, topo, cost)
-    seqs = _sequences(topo, ranked, cluster_orders(topo, ranked))
-    few = sorted(p for r in ranked for p in r)
-    if len(few) <= _EVERY_ORDER:  # a handful of peers: every order is cheap
-        seqs += [list(p) for p in itertools.permutations(few) if list(p) not in seqs]
-    if len(seqs) > refine:  # many candidates: a quick single pass picks the ones worth refining
-        quick = [_quick(dag, topo, cost, s, ch, max_positions) for s in seqs]
-        score = [q[0].iteration_s if q else math.inf for q in quick]
-        seqs = [seqs[i] for i in np.argsort(score, kind="stable")[:refine] if math.isfinite(score[i])]
-    best: tuple[Estimate, list[Stage]] | None = None
-    for seq in seqs:
-        found = search_sequence(dag, topo, cost, seq, max_positions=max_positions, ch=ch)
-        if found and (best is None or found[0].iteration_s < best[0].iteration_s):
-            best = found
+    ranked = [_candidates(topo, c, per_cluster) for c in clusters]
+    best = _best_of_orders(dag, topo, cost, ranked, ch, max_positions, refine)
     candidates = sorted({p for r in ranked for p in r})
-    if best is None or not math.isfinite(best[0].iteration_s):
-        # memory-tight: which peer takes which piece matters more than speed; try more orders
+    if best is None:  # memory-tight: the peers with the most memory, still cluster by cluster
+        roomy = [sorted(c, key=lambda p: (-topo.memory[p], -topo.speed[p], p)) for c in clusters]
+        ranked = [c[:per_cluster] for c in roomy]
+        best = _best_of_orders(dag, topo, cost, ranked, ch, max_positions, refine)
+        candidates = sorted({p for r in ranked for p in r})
+    if best is None:  # which peer takes which piece matters more than speed: try more orders
         fitting = []
         for seq in _memory_orders(topo, candidates, seed):
             found = _quick(dag, topo, cost, seq, ch, max_positions)
