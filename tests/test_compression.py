@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from fusionp2p.compression import (
     paper_bytes,
     topk_fast,
     topk_reference,
+    topk_rows,
 )
 from fusionp2p.records import TopKHeader
 
@@ -195,3 +197,19 @@ def test_shared_index_payload_errors() -> None:
     plain = encode(grad, 10)
     with pytest.raises(PayloadError, match="shared"):
         decode_at(plain.header, plain.body, plain.indices)
+
+
+def test_row_wise_topk_keeps_each_row_s_largest_and_decodes_like_any_payload() -> None:
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(4, 16, 200, generator=g)
+    enc = encode(h, 20.0, rows=True)
+    k_row = math.ceil(200 / 20)
+    assert enc.header.k == 4 * 16 * k_row and enc.header.index_format == "delta16"  # gaps < 2 rows
+    dense = decode(enc.header, enc.body)
+    for row_in, row_out in zip(h.reshape(-1, 200), dense.reshape(-1, 200), strict=True):
+        want = torch.topk(row_in.abs(), k_row).indices
+        assert set(row_out.nonzero().squeeze(1).tolist()) == set(want.tolist())
+        torch.testing.assert_close(row_out[want], row_in[want])
+    assert torch.equal(enc.indices, topk_rows(h, k_row)) and torch.all(enc.indices.diff() > 0)
+    narrow = encode(torch.randn(8, 5, generator=g), 8.0, rows=True)  # rows under 4 x ratio: global
+    assert narrow.header.k == math.ceil(40 / 8)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -17,7 +18,7 @@ from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.opdag.trace import trace_spec
 from fusionp2p.records import LeaseRecord, LinkRecord, PeerRecord
 from fusionp2p.training.corpus import TextCorpus
-from fusionp2p.training.job_spec import EXAMPLE_CONFIG, JobSpec
+from fusionp2p.training.job_spec import EXAMPLE_CONFIG, JobSpec, compression_policy
 
 A, B, C = (
     "QmAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA",
@@ -146,6 +147,14 @@ def test_a_job_request_speaks_only_for_its_sender() -> None:
     bad = request.to_json().replace(b'"op-fence"', b'"random"')
     with pytest.raises(ConfigError, match="method"):
         JobRequest.from_json(bad, sender=A)
+    planned = dataclasses.replace(request, compression="planned", max_ratio=8.0)
+    assert JobRequest.from_json(planned.to_json(), sender=A).max_ratio == 8.0
+    for wrong in (b"0.5", b"1e9", b'"8"', b"true"):
+        body = planned.to_json().replace(b'"max_ratio": 8.0', b'"max_ratio": ' + wrong)
+        with pytest.raises(ConfigError, match="max_ratio"):
+            JobRequest.from_json(body, sender=A)
+    policy = compression_policy("planned", 8.0)
+    assert (policy.kind, policy.max_ratio) == ("planned", 8.0)
     reply = JobReply("job-1", 3, 2, B, (_peer(A),), (link,))
     assert JobReply.from_json(reply.to_json()) == reply
 

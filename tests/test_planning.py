@@ -83,7 +83,7 @@ def test_estimate_matches_a_hand_computed_two_stage_case() -> None:
 def test_compression_counts_the_index_overhead_of_the_wire_format() -> None:
     cost = CostConfig(n_micro_batches=1, compression=CompressionPolicy(kind="uniform", ratio=10))
     (link,) = estimate(two_node_dag(), two_peers(), [Stage(0, (0,)), Stage(1, (1,))], cost).links
-    assert link.wire_bytes == 25_000 * (4 + 4) + 32  # 250k fp32 values / 10, int32 indices, header
+    assert link.wire_bytes == 25_000 * (4 + 2) + 32  # 250k fp32 values / 10, 2-byte gaps, header
     assert link.fwd_s == pytest.approx(0.01 + link.wire_bytes / 1e6)
     assert float(PAPER_WIRE.wire_bytes(1_000_000, 10)) == 25_000 * 12 + 32  # the paper's coefficient 3
     assert float(WIRE.wire_bytes(1_000_000, 1.5)) == 1_000_000  # sparse would be bigger: send dense
@@ -352,15 +352,15 @@ def test_local_search_only_improves_and_climbs_from_a_poor_plan_towards_the_opti
 
 
 def test_planned_ratios_are_the_least_that_hide_each_link_under_the_bottleneck_compute() -> None:
-    # hand-computed: budget 0.1 s; 10 ms latency; fp32 values + int32 indices (8 B per entry), 32 B header
+    # hand-computed: budget 0.1 s; 10 ms latency; fp32 values + 2-byte gaps (6 B per entry), 32 B header
     policy = CompressionPolicy(kind="planned", ratio=1.0, max_ratio=100.0)
     dense = np.array([1e6, 8e6, 8e6, 8e6])  # bytes per micro-batch
     bw = np.array([1e8, 1e8, 1e7, 1e5])  # bytes/s
     got = planned_ratios(dense, bw, 0.01, 0.1, policy, WIRE)
     # 1 MB in 10 ms + 10 ms fits dense; 8 MB at 100 MB/s has room for 9 MB: dense fits too
     assert got[0] == 1.0 and got[1] == 1.0
-    # 8 MB at 10 MB/s: 0.9 MB of room -> floor((0.9e6 - 32) / 8) entries of 2e6 values -> ratio 17.78
-    assert got[2] == pytest.approx(2e6 / ((0.9e6 - 32) // 8))
+    # 8 MB at 10 MB/s: 0.9 MB of room -> floor((0.9e6 - 32) / 6) entries of 2e6 values -> ratio 13.33
+    assert got[2] == pytest.approx(2e6 / ((0.9e6 - 32) // 6))
     assert got[3] == 100.0  # 9 KB of room would need 1,780x: capped
     wire = WIRE.wire_bytes(8e6, got[2])
     assert 0.01 + wire / 1e7 <= 0.1 + 1e-9  # the chosen ratio does hide the link
@@ -383,7 +383,7 @@ def test_the_planned_policy_compresses_only_links_that_would_be_the_bottleneck()
     # (1.2 s compute + 2 hops x 2 directions x 1 ms) + 3 x 0.6 s = 3.004 s; each of the 4
     # link-directions may add 5% / 4 of that: budget = 1 ms + 0.0375 s = 0.03855 s < 0.6 s.
     budget = 0.001 + 0.05 * 3.004 / 4
-    assert ratios[(1, 2)] == pytest.approx(2.5e5 / (((budget - 0.001) * 1e6 - 32) // 8))
+    assert ratios[(1, 2)] == pytest.approx(2.5e5 / (((budget - 0.001) * 1e6 - 32) // 6))
     assert 0.001 + WIRE.wire_bytes(1e6, ratios[(1, 2)]) / slow <= budget + 1e-9  # the link is hidden
     assert est.bottleneck_s == pytest.approx(0.6)  # the compressed link is no longer the bottleneck
     dense = estimate(

@@ -1,7 +1,7 @@
 """Top-K compression of activations and gradients (FusionLLM §5).
 
 - ``topk.py``: the reference selection (the spec), the fast exact CPU path, the dispatcher
-  to ``fusionp2p.kernels`` on CUDA.
+  to ``fusionp2p.kernels`` on CUDA, and row-wise selection (what the runtime sends).
 - ``wire.py``: the wire format (values fp32/fp16/bf16; int32, delta16 or bitmap indices)
   and its strict decoder; ``encode_at``/``decode_at`` send an activation's gradient at the
   forward's kept indices (the exact gradient of the compressed forward, no index bytes).
@@ -9,7 +9,7 @@
 """
 
 from fusionp2p.compression.feedback import ErrorFeedback, LinkCompressor
-from fusionp2p.compression.topk import k_for_ratio, topk_fast, topk_indices, topk_reference
+from fusionp2p.compression.topk import k_for_ratio, topk_fast, topk_indices, topk_reference, topk_rows
 from fusionp2p.compression.wire import (
     Encoded,
     PayloadError,
@@ -34,4 +34,5 @@ __all__ = [
     "topk_fast",
     "topk_indices",
     "topk_reference",
+    "topk_rows",
 ]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fusionp2p.compression.topk import k_for_ratio, topk_indices
+from fusionp2p.compression.topk import k_for_ratio, topk_indices, topk_rows
 from fusionp2p.errors import ProtocolError
 from fusionp2p.records import TopKHeader
 
@@ -79,8 +79,13 @@ def _encode_indices(idx: np.ndarray, numel: int, fmt: str) -> bytes:
     return np.packbits(bits, bitorder="little").tobytes()
 
 
-def encode(tensor: torch.Tensor, ratio: float, *, value_dtype: str = "float32") -> Encoded:
-    """Top-K compresses ``tensor`` (any shape, float) at ``ratio``."""
+def encode(
+    tensor: torch.Tensor, ratio: float, *, value_dtype: str = "float32", rows: bool = False
+) -> Encoded:
+    """Top-K compresses ``tensor`` (any shape, float) at ``ratio``; with ``rows``, the
+    top ``ceil(width / ratio)`` of each row of the last dimension (``topk_rows``) where
+    rows are at least ``4 x ratio`` wide (narrower ones would round the ratio far down).
+    The receiver decodes both the same way."""
     if value_dtype not in DTYPES:
         raise ValueError(f"value_dtype must be one of {sorted(DTYPES)}, got {value_dtype!r}")
     if tensor.dtype not in _NAMES:
@@ -92,8 +97,13 @@ def encode(tensor: torch.Tensor, ratio: float, *, value_dtype: str = "float32") 
     vdt = DTYPES[value_dtype]
     itemsize = torch.empty((), dtype=vdt).element_size()
     if numel and ratio > 1:
-        k = k_for_ratio(numel, ratio)
-        idx_t = topk_indices(flat, k)
+        width = tensor.shape[-1] if tensor.dim() >= 2 else 0
+        if rows and width >= 4 * ratio:
+            k_row = k_for_ratio(width, ratio)
+            k, idx_t = numel // width * k_row, topk_rows(tensor, k_row)
+        else:
+            k = k_for_ratio(numel, ratio)
+            idx_t = topk_indices(flat, k)
         idx = idx_t.cpu().numpy()
         index_bytes, fmt = _index_options(idx, numel)[0]
         if index_bytes + k * itemsize < numel * itemsize:

@@ -145,7 +145,8 @@ class Coordinator:
         all_links = (*links, *owner_links)
         topo = Topology.from_records(peers, all_links)
         cost = CostConfig(
-            n_micro_batches=request.n_micro_batches, compression=compression_policy(request.compression)
+            n_micro_batches=request.n_micro_batches,
+            compression=compression_policy(request.compression, request.max_ratio),
         )
         plan = await asyncio.to_thread(plan_job, traced.dag, topo, owner, method=request.method, cost=cost)
         if not plan.estimate.fits:

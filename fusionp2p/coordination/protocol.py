@@ -28,6 +28,7 @@ from typing import Any
 from fusionp2p.config import NAME_RE, PEER_ID_RE, load_json_object
 from fusionp2p.errors import ConfigError, RecordError
 from fusionp2p.opdag.spec import ModelSpec
+from fusionp2p.planning.cost import MAX_RATIO_LIMIT, PLANNED_MAX_RATIO
 from fusionp2p.records import LinkRecord, PeerRecord
 
 __all__ = ["COORD_PROTOCOL", "MAX_REPLY_BYTES", "MAX_REQUEST_BYTES", "JobReply", "JobRequest"]
@@ -62,6 +63,13 @@ def _int(body: dict[str, Any], key: str, low: int, high: int) -> int:
     return value
 
 
+def _float(body: dict[str, Any], key: str, low: float, high: float) -> float:
+    value = body.get(key)
+    if not isinstance(value, int | float) or isinstance(value, bool) or not low <= value <= high:
+        raise ConfigError(f"job request {key} must be a number in [{low:g}, {high:g}], got {value!r:.40}")
+    return float(value)
+
+
 def _str(body: dict[str, Any], key: str, choices: Sequence[str] | None = None) -> str:
     value = body.get(key)
     if not isinstance(value, str) or len(value) > 128 or (choices is not None and value not in choices):
@@ -73,7 +81,7 @@ def _str(body: dict[str, Any], key: str, choices: Sequence[str] | None = None) -
 class JobRequest:
     """What the coordinator plans a job from."""
 
-    VERSION = 2  # 2: replaces, exclude, speeds (re-plans of a running job)
+    VERSION = 3  # 2: replaces, exclude, speeds (re-plans of a running job); 3: max_ratio
 
     job: str
     spec: ModelSpec
@@ -85,6 +93,7 @@ class JobRequest:
     replaces: str = ""  # the wire id of the running job this plan replaces ("" for a new job)
     exclude: tuple[str, ...] = ()  # peers not to plan on (lost or stopped)
     speeds: tuple[tuple[str, float], ...] = ()  # (peer, factor in (0, 1]) on its profiled speed
+    max_ratio: float = PLANNED_MAX_RATIO  # "planned" compression: the hardest Top-K ratio on a link
 
     def to_json(self) -> bytes:
         import json
@@ -102,6 +111,7 @@ class JobRequest:
                 "replaces": self.replaces,
                 "exclude": list(self.exclude),
                 "speeds": [[p, f] for p, f in self.speeds],
+                "max_ratio": self.max_ratio,
             }
         ).encode()
 
@@ -141,6 +151,7 @@ class JobRequest:
             replaces=replaces,
             exclude=_peer_ids(body.get("exclude", [])),
             speeds=_speeds(body.get("speeds", [])),
+            max_ratio=_float(body, "max_ratio", 1.0, MAX_RATIO_LIMIT),
         )
 
 

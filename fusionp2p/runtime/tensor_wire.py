@@ -56,11 +56,12 @@ def encode_body(
     tensor: torch.Tensor, ratio: float = 1.0
 ) -> tuple[bytes, bytes | memoryview, torch.Tensor | None]:
     """``(compression, body, kept)`` for ``tensor``: Top-K at ``ratio`` for float tensors
-    when > 1; ``kept`` holds the positions sent when the body is sparse (else None). A
+    when > 1, row by row (``compression.topk_rows``: each token keeps its strongest
+    features); ``kept`` holds the positions sent when the body is sparse (else None). A
     dense body is a view of the tensor's own memory (no copy)."""
     tensor = tensor.detach().contiguous()
     if ratio > 1 and tensor.dtype in (torch.float32, torch.float16, torch.bfloat16) and tensor.numel():
-        encoded = wire.encode(tensor, ratio)  # on a GPU, Top-K runs there (fusionp2p.kernels)
+        encoded = wire.encode(tensor, ratio, rows=True)
         kept = encoded.indices if encoded.header.index_format != "dense" else None
         return encoded.header.to_wire(), encoded.body, kept
     return b"", _host(tensor).reshape(-1).view(torch.uint8).numpy().data, None

@@ -16,12 +16,11 @@ from typing import Any
 from fusionp2p.config import NAME_RE, OptimizerConfig
 from fusionp2p.errors import ConfigError
 from fusionp2p.opdag.spec import ModelSpec
-from fusionp2p.planning.cost import CompressionPolicy
+from fusionp2p.planning.cost import MAX_RATIO_LIMIT, PLANNED_MAX_RATIO, CompressionPolicy
 
 __all__ = ["COMPRESSIONS", "EXAMPLE_CONFIG", "JobSpec", "compression_policy"]
 
 COMPRESSIONS = ("none", "adaptive", "planned")
-PLANNED_MAX_RATIO = 100.0  # the planned policy never compresses a link harder than this
 _MAX_STEPS = 10_000_000
 
 EXAMPLE_CONFIG = """\
@@ -56,6 +55,7 @@ weight_decay = 0.0
 compression = "none"           # "none"; "planned": per link the least Top-K that hides it under the
                                # slowest stage's compute; "adaptive": the paper's, by bandwidth
 dense_warmup_steps = 20        # with compression, the first steps are sent dense
+max_ratio = 20.0               # "planned": no link is compressed harder than this (Top-K ratio)
 plan_method = "op-fence"       # or a baseline: "equal-computation/none", ...
 checkpoint_every = 0           # steps between checkpoints; 0: chosen to cost <= 10% of the steps
 min_peers = 2                  # wait for this many idle peers before submitting
@@ -91,6 +91,7 @@ _TOML_FIELDS: dict[tuple[str, str], str] = {
     ("train", "weight_decay"): "weight_decay",
     ("train", "compression"): "compression",
     ("train", "dense_warmup_steps"): "dense_warmup_steps",
+    ("train", "max_ratio"): "max_ratio",
     ("train", "plan_method"): "plan_method",
     ("train", "checkpoint_every"): "checkpoint_every",
     ("train", "min_peers"): "min_peers",
@@ -107,8 +108,9 @@ _TOML_FIELDS: dict[tuple[str, str], str] = {
 _WHERE = {f: (f"[{s}] {k}" if s else k) for (s, k), f in _TOML_FIELDS.items()}
 
 
-def compression_policy(name: str) -> CompressionPolicy:
-    """The planner's policy for a job's ``compression`` ("none", "adaptive" or "planned").
+def compression_policy(name: str, max_ratio: float = PLANNED_MAX_RATIO) -> CompressionPolicy:
+    """The planner's policy for a job's ``compression`` ("none", "adaptive" or "planned",
+    which compresses no link harder than ``max_ratio``).
 
     Raises:
         ConfigError: another name.
@@ -118,7 +120,7 @@ def compression_policy(name: str) -> CompressionPolicy:
     if name == "adaptive":
         return CompressionPolicy(kind="adaptive")
     if name == "planned":
-        return CompressionPolicy(kind="planned", ratio=1.0, max_ratio=PLANNED_MAX_RATIO)
+        return CompressionPolicy(kind="planned", ratio=1.0, max_ratio=max_ratio)
     raise ConfigError(f"[train] compression: must be one of {list(COMPRESSIONS)}, got {name!r:.40}")
 
 
@@ -164,6 +166,7 @@ class JobSpec:
     weight_decay: float = 0.0
     compression: str = "none"
     dense_warmup_steps: int = 20  # with compression: the first steps go dense (convergence.py)
+    max_ratio: float = PLANNED_MAX_RATIO  # "planned": the hardest Top-K ratio on any link
     plan_method: str = "op-fence"
     checkpoint_every: int = 0  # 0: automatic, so that checkpoints cost <= 10% of the step time
     min_peers: int = 1
@@ -205,6 +208,7 @@ class JobSpec:
                 f"[train] compression: must be one of {list(COMPRESSIONS)}, got {self.compression!r:.40}"
             )
         _check_int("dense_warmup_steps", self.dense_warmup_steps, 0, _MAX_STEPS)
+        _check_float("max_ratio", self.max_ratio, 1.0, MAX_RATIO_LIMIT)
         from fusionp2p.data_owner import PLAN_METHODS
 
         if self.plan_method not in PLAN_METHODS:

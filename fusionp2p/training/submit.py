@@ -136,6 +136,7 @@ async def submit_job(
         replaces=replaces,
         exclude=exclude,
         speeds=speeds,
+        max_ratio=job.max_ratio,
     )
     holder = lease.holder
     logger.info("submitting job %s to coordinator %s (epoch %d)", run_id, holder[-8:], lease.epoch)
@@ -163,6 +164,7 @@ async def submit_job(
     if not records:
         raise CoordinatorError(f"job {run_id}'s plan (epoch {reply.epoch}) is not in the DHT")
     topo = Topology.from_records(reply.peers, reply.links)
-    cost = CostConfig(n_micro_batches=job.n_micro_batches, compression=compression_policy(job.compression))
+    policy = compression_policy(job.compression, job.max_ratio)
+    cost = CostConfig(n_micro_batches=job.n_micro_batches, compression=policy)
     plan = Plan.from_records(records, traced.dag, topo, cost, method=job.plan_method)
     return SubmittedJob(run_id, plan, reply, topo, traced, transport.peer_id)
