@@ -26,6 +26,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
+from fusionp2p.compression import RatioWarmup
 from fusionp2p.config import DEFAULT_SWARM, OptimizerConfig, check_peer_maddr
 from fusionp2p.coordination.election import lease_in_force
 from fusionp2p.data_owner import plan_job, probe_from, self_record
@@ -288,7 +289,7 @@ class Swarm:
         epoch: int = 0,
         job: str | None = None,
         initial_state: Mapping[str, torch.Tensor] | None = None,
-        dense_warmup: int = 0,
+        ratio_warmup: RatioWarmup | int = 0,
     ) -> Pipeline:
         """Sets ``spec``'s model up over live peers; this process runs stage 0 (it reads the
         raw inputs and computes the loss, which never leave it).
@@ -303,7 +304,9 @@ class Swarm:
         (default: built-ins, installed entry points, and ``spec.family`` if it is an
         import path). ``initial_state`` (a checkpoint's tensors by name) replaces the
         model's initial weights and optimizer state on every stage. The first
-        ``dense_warmup`` iterations are sent dense, whatever the plan's Top-K ratios.
+        Over the first ``ratio_warmup`` iterations (an int, or a ``RatioWarmup`` that
+        continues a ramp) the plan's Top-K ratios grow geometrically from 1 (dense) to
+        their planned values.
 
         Raises:
             SwarmError: fewer live peers than ``n_stages - 1``.
@@ -312,6 +315,8 @@ class Swarm:
             ProtocolError: a peer refused its stage (an unknown family, too little
                 memory, busy); the peer's reason is in the message.
         """
+        if isinstance(ratio_warmup, int):
+            ratio_warmup = RatioWarmup(ratio_warmup)
         if n_stages is not None or assignment is not None:
             return self._fixed_pipeline(
                 spec,
@@ -323,7 +328,7 @@ class Swarm:
                 ratios=ratios,
                 timeout=timeout,
                 registry=registry,
-                dense_warmup=dense_warmup,
+                ratio_warmup=ratio_warmup,
             )
         if not isinstance(plan, Plan):
             plan = self.plan(
@@ -360,7 +365,7 @@ class Swarm:
                 job=job,
                 initial_state=initial_state,
                 in_flight=held,
-                dense_warmup=dense_warmup,
+                ratio_warmup=ratio_warmup,
             )
 
         driver = self._run(create())

@@ -12,6 +12,7 @@ from fusionp2p.compression import (
     ErrorFeedback,
     LinkCompressor,
     PayloadError,
+    RatioWarmup,
     decode,
     decode_at,
     encode,
@@ -22,6 +23,7 @@ from fusionp2p.compression import (
     topk_reference,
     topk_rows,
 )
+from fusionp2p.errors import ConfigError
 from fusionp2p.records import TopKHeader
 
 
@@ -213,3 +215,13 @@ def test_row_wise_topk_keeps_each_row_s_largest_and_decodes_like_any_payload() -
     assert torch.equal(enc.indices, topk_rows(h, k_row)) and torch.all(enc.indices.diff() > 0)
     narrow = encode(torch.randn(8, 5, generator=g), 8.0, rows=True)  # rows under 4 x ratio: global
     assert narrow.header.k == math.ceil(40 / 8)
+
+
+def test_the_ratio_warmup_grows_geometrically_and_a_replan_continues_it() -> None:
+    ramp = RatioWarmup(steps=4)
+    assert [ramp.ratio(16.0, t) for t in range(6)] == pytest.approx([1, 2, 4, 8, 16, 16])
+    resumed = RatioWarmup(steps=4, done=2)  # a new pipeline from the job's step 2
+    assert [resumed.ratio(16.0, t) for t in range(3)] == pytest.approx([4, 8, 16])
+    assert RatioWarmup().ratio(16.0, 0) == 16.0 and ramp.ratio(1.0, 1) == 1.0
+    with pytest.raises(ConfigError, match="steps"):
+        RatioWarmup(steps=-1)

@@ -18,6 +18,7 @@ import pytest
 import torch
 from exec_helpers import first_forward, stranger_setup
 
+from fusionp2p.compression import RatioWarmup
 from fusionp2p.config import ExecLimits, OptimizerConfig
 from fusionp2p.errors import ConfigError, LimitError, PeerUnreachableError
 from fusionp2p.net.framing import FRAME_VERSION, HEADER, FrameKind
@@ -289,7 +290,7 @@ _GOOD = {
     "engine": "torch",
     "plan_version": 1,
     "epoch": 0,
-    "dense_warmup": 20,
+    "ratio_warmup": [20, 5],
 }
 _WRONG = [None, True, -1, 2**70, 1.5, "x" * 300, [], [[]], {}, {"a": [1]}, "../../etc"]
 
@@ -309,7 +310,7 @@ def test_every_setup_field_of_a_wrong_type_is_a_config_error(key: str) -> None:
 def test_a_setup_round_trips_and_refuses_another_version() -> None:
     setup = JobSetup.from_json(json.dumps(_GOOD).encode())
     assert JobSetup.from_json(setup.to_json()) == setup
-    assert (setup.in_flight, setup.dense_warmup) == (2, 20)
+    assert (setup.in_flight, setup.ratio_warmup) == (2, RatioWarmup(20, 5))
     with pytest.raises(ConfigError, match="version 3"):
         JobSetup.from_json(json.dumps({**_GOOD, "v": 3}).encode())
 

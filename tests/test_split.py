@@ -14,6 +14,7 @@ import torch
 from masked_reference import masked_reference
 from user_models import SkipNet
 
+from fusionp2p.compression import RatioWarmup
 from fusionp2p.config import OptimizerConfig
 from fusionp2p.errors import ConfigError, ProtocolError, RecordError
 from fusionp2p.opdag.families import ModelRegistry, UnknownModelError
@@ -300,7 +301,7 @@ def test_topk_on_the_wire_gives_the_exact_gradient_of_the_compressed_forward() -
         assert header.k * 8 <= header.numel + 8
 
 
-def test_dense_warmup_sends_everything_dense_before_the_ratios_apply() -> None:
+def test_ratio_warmup_starts_dense_and_grows_to_the_plan_s_ratios() -> None:
     spec = ModelSpec("user_models:SkipNet", {"hidden": 64}, input_shape=(8, 12), input_dtype="float32")
     traced = trace_module(spec.build(LOCAL), [spec.example_input()])
     ops = op_node_names(traced.program.graph)
@@ -317,14 +318,16 @@ def test_dense_warmup_sends_everything_dense_before_the_ratios_apply() -> None:
             n_micro_batches=len(batches),
             loss_fn=LOSSES["classification"],
             ratios={0: 8.0, 1: 8.0},
-            dense_warmup=1,
+            ratio_warmup=RatioWarmup(2),
         )
         for s in range(2)
     ]
-    for it in range(2):
+    for it, want in enumerate([None, 8.0**0.5, 8.0]):  # dense, then geometrically to the ratio
         sent: list = []
         _run_inprocess(spec, traced, assignment, 2, "classification", batches, sent=sent, exes=exes)
-        compressed = [m for m in sent if m.header.compression]
-        assert sent and (not compressed if it == 0 else compressed), it  # from iteration 1 on: Top-K
+        compressed = [m for m in sent if m.header.compression and m.header.direction == "forward"]
+        assert sent and bool(compressed) == (want is not None), it
+        for m in compressed:
+            assert TopKHeader.from_wire(m.header.compression).ratio == pytest.approx(want)
         for e in exes:
             e.step(it)

@@ -6,10 +6,12 @@
   and its strict decoder; ``encode_at``/``decode_at`` send an activation's gradient at the
   forward's kept indices (the exact gradient of the compressed forward, no index bytes).
 - ``feedback.py``: error feedback per link and tensor, bounded; a link's compressor.
+- ``warmup.py``: ratios that grow from dense to the plan's over a job's first steps.
 """
 
 from fusionp2p.compression.feedback import ErrorFeedback, LinkCompressor
 from fusionp2p.compression.topk import k_for_ratio, topk_fast, topk_indices, topk_reference, topk_rows
+from fusionp2p.compression.warmup import NO_WARMUP, RatioWarmup
 from fusionp2p.compression.wire import (
     Encoded,
     PayloadError,
@@ -21,10 +23,12 @@ from fusionp2p.compression.wire import (
 )
 
 __all__ = [
+    "NO_WARMUP",
     "Encoded",
     "ErrorFeedback",
     "LinkCompressor",
     "PayloadError",
+    "RatioWarmup",
     "decode",
     "decode_at",
     "encode",

@@ -16,6 +16,7 @@ from fusionp2p.planning.baselines import BASELINES, baseline_plan
 from fusionp2p.planning.cluster import cluster_peers
 from fusionp2p.planning.cost import (
     PAPER_WIRE,
+    PLANNED_MAX_RATIO,
     WIRE,
     CompressionPolicy,
     CostConfig,
@@ -33,6 +34,7 @@ from fusionp2p.planning.topology import PlanningError, Topology
 __all__ = [
     "BASELINES",
     "PAPER_WIRE",
+    "PLANNED_MAX_RATIO",
     "WIRE",
     "CompressionPolicy",
     "CostConfig",

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 import safetensors.torch
 import torch
 
+from fusionp2p.compression import NO_WARMUP, RatioWarmup
 from fusionp2p.config import ExecLimits, OptimizerConfig
 from fusionp2p.errors import ConfigError, FusionP2PError, ProtocolError
 from fusionp2p.net.framing import FrameKind
@@ -140,7 +141,7 @@ class PipelineDriver:
         epoch: int = 0,
         initial_state: Mapping[str, torch.Tensor] | None = None,
         in_flight: Sequence[int] | None = None,
-        dense_warmup: int = 0,
+        ratio_warmup: RatioWarmup = NO_WARMUP,
     ) -> PipelineDriver:
         """Traces and splits the model, and sets up every stage.
 
@@ -158,7 +159,8 @@ class PipelineDriver:
         ``name#key``) replaces the traced initial weights on every stage, this one included.
         ``in_flight[s]``: the micro-batches stage ``s`` may hold at once (a plan's
         ``RuntimeLayout.in_flight``; default ``JobSetup.for_stages``'s 1F1B depths).
-        ``dense_warmup``: iterations every stage sends dense before its Top-K ratios apply.
+        ``ratio_warmup``: how every stage's Top-K ratios grow geometrically from 1
+        (dense) to the plan's over the job's first steps.
 
         Raises:
             ConfigError: a bad assignment, loss, peer list or model config, or a checkpoint
@@ -210,7 +212,7 @@ class PipelineDriver:
             epoch=epoch,
             planned=assignment if epoch and isinstance(assignment, Sequence) else None,
             in_flight=in_flight,
-            dense_warmup=dense_warmup,
+            ratio_warmup=ratio_warmup,
         )
         ratio_items = setups[data_stage].ratios
         executor = TorchExecutor(
@@ -223,7 +225,7 @@ class PipelineDriver:
             loss_fn=LOSSES[loss],
             ratios=dict(ratio_items),
             plan_version=plan_version,
-            dense_warmup=dense_warmup,
+            ratio_warmup=ratio_warmup,
         )
         if initial_state is not None:
             _check_checkpoint(traced, part, initial_state)

@@ -104,7 +104,7 @@ def build_torch_stage(
         materialize=not fake,
         plan_version=setup.plan_version,
         device=device,
-        dense_warmup=setup.dense_warmup,
+        ratio_warmup=setup.ratio_warmup,
     )
 
 

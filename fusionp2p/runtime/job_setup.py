@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from fusionp2p.compression import NO_WARMUP, RatioWarmup
 from fusionp2p.config import NAME_RE, PEER_ID_RE, ExecLimits, OptimizerConfig, load_json_object
 from fusionp2p.errors import ConfigError
 from fusionp2p.opdag.spec import ModelSpec
@@ -69,6 +70,15 @@ def _int(body: dict[str, Any], key: str, low: int, high: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise ConfigError(f"setup {key} must be an integer in [{low}, {high}], got {value!r:.40}")
     return value
+
+
+def _warmup(value: Any) -> RatioWarmup:
+    if not isinstance(value, list) or len(value) != 2:
+        raise ConfigError(f"setup ratio_warmup must be [steps, done], got {value!r:.40}")
+    try:
+        return RatioWarmup(*value)
+    except ConfigError as e:
+        raise ConfigError(f"setup ratio_warmup: {e}") from e
 
 
 def _str(body: dict[str, Any], key: str, pattern: re.Pattern[str]) -> str:
@@ -128,7 +138,7 @@ def default_in_flight(n_micro_batches: int, part: Partition) -> list[int]:
 class JobSetup:
     """Everything a stage needs to build its executor."""
 
-    VERSION: ClassVar[int] = 4  # 3: the coordinator's epoch; 4: per-stage in_flight, dense_warmup
+    VERSION: ClassVar[int] = 4  # 3: the coordinator's epoch; 4: per-stage in_flight, ratio_warmup
 
     job: str  # 1-64 letters, digits, '-' or '_'
     spec: ModelSpec
@@ -145,7 +155,7 @@ class JobSetup:
     engine: str = "torch"  # the execution engine that runs the stage (a PeerRecord lists its engines)
     plan_version: int = 1  # every OpData of the job names it; another version's is dropped
     epoch: int = 0  # the coordinator epoch whose published plan this follows; 0: the owner's own split
-    dense_warmup: int = 0  # iterations sent dense before the Top-K ratios apply
+    ratio_warmup: RatioWarmup = NO_WARMUP  # Top-K ratios grow from 1 (dense) to the plan's
 
     def peer_of(self, stage: int) -> str:
         return self.peers[stage][0]
@@ -166,7 +176,7 @@ class JobSetup:
         epoch: int = 0,
         planned: Sequence[int] | None = None,
         in_flight: Sequence[int] | None = None,
-        dense_warmup: int = 0,
+        ratio_warmup: RatioWarmup = NO_WARMUP,
     ) -> list[JobSetup]:
         """One setup per stage of ``part`` (a split of ``traced``, the traced ``spec``);
         ``link_ratios[(a, b)]`` is the Top-K ratio of what stage ``a`` sends stage ``b``.
@@ -203,7 +213,7 @@ class JobSetup:
                 in_flight=held[stage],
                 plan_version=plan_version,
                 epoch=epoch,
-                dense_warmup=dense_warmup,
+                ratio_warmup=ratio_warmup,
             )
             for stage in range(part.n_stages)
         ]
@@ -227,7 +237,7 @@ class JobSetup:
                 "engine": self.engine,
                 "plan_version": self.plan_version,
                 "epoch": self.epoch,
-                "dense_warmup": self.dense_warmup,
+                "ratio_warmup": [self.ratio_warmup.steps, self.ratio_warmup.done],
             }
         ).encode()
 
@@ -261,5 +271,5 @@ class JobSetup:
             engine=_str(body, "engine", _ENGINE_RE),
             plan_version=_int(body, "plan_version", 0, 1 << 62),
             epoch=_int(body, "epoch", 0, 1 << 62),
-            dense_warmup=_int(body, "dense_warmup", 0, 1 << 62),
+            ratio_warmup=_warmup(body.get("ratio_warmup")),
         )

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from fusionp2p.compression import NO_WARMUP, RatioWarmup
 from fusionp2p.config import OptimizerConfig
 from fusionp2p.errors import ProtocolError
 from fusionp2p.opdag.split import Partition, Segment
@@ -79,12 +80,12 @@ class TorchExecutor(Executor):
         materialize: bool = True,
         plan_version: int = 1,
         device: torch.device | str = "cpu",
-        dense_warmup: int = 0,
+        ratio_warmup: RatioWarmup = NO_WARMUP,
     ) -> None:
         """``materialize=False``: ``program`` may be a fake trace; this stage's tensors start
         empty and ``load_state`` fills them (``missing_state`` says what is still to come).
         ``ratios[stage]``: Top-K ratio of what this stage sends there, from iteration
-        ``dense_warmup`` on (everything before is sent dense)."""
+        the end of ``ratio_warmup`` on; before it, dense at first, then geometrically harder."""
         if not 0 <= stage < partition.n_stages:
             raise ValueError(f"stage {stage} not in [0, {partition.n_stages})")
         if n_micro_batches < 1:
@@ -96,7 +97,7 @@ class TorchExecutor(Executor):
         self.partition = partition
         self.loss_fn = loss_fn if stage == partition.data_stage else None
         self.ratios = dict(ratios or {})
-        self.dense_warmup = dense_warmup
+        self.ratio_warmup = ratio_warmup
         self.plan_version = plan_version
         self.device = torch.device(device)
         self.losses: dict[int, float] = {}
@@ -304,7 +305,7 @@ class TorchExecutor(Executor):
         return self.state.tensors[self._placeholder_state[node.name]]
 
     def _ratio(self, stage: int) -> float:
-        return 1.0 if self.iteration < self.dense_warmup else self.ratios.get(stage, 1.0)
+        return self.ratio_warmup.ratio(self.ratios.get(stage, 1.0), self.iteration)
 
     def _send_forward(
         self, mb: _MicroBatch, micro_batch: int, seg: Segment, outputs: Mapping[str, torch.Tensor]

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 from hivemind.utils import get_dht_time
 
+from fusionp2p.compression import RatioWarmup
 from fusionp2p.errors import ConfigError, CoordinatorError, FusionP2PError, LimitError, SwarmError
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.planning import PlanningError
@@ -151,7 +152,7 @@ class JobRun:
             epoch=submitted.epoch,
             job=submitted.run_id,
             initial_state=state,
-            dense_warmup=max(0, self.job.dense_warmup_steps - self.step),
+            ratio_warmup=RatioWarmup(self.job.ratio_warmup_steps, self.step),
         )
         self.submitted = submitted
         self.running_id = submitted.run_id

@@ -54,7 +54,7 @@ lr = 0.001
 weight_decay = 0.0
 compression = "none"           # "none"; "planned": per link the least Top-K that hides it under the
                                # slowest stage's compute; "adaptive": the paper's, by bandwidth
-dense_warmup_steps = 20        # with compression, the first steps are sent dense
+ratio_warmup_steps = 100       # with compression: the Top-K ratios grow from 1 (dense) to the plan's
 max_ratio = 20.0               # "planned": no link is compressed harder than this (Top-K ratio)
 plan_method = "op-fence"       # or a baseline: "equal-computation/none", ...
 checkpoint_every = 0           # steps between checkpoints; 0: chosen to cost <= 10% of the steps
@@ -90,7 +90,7 @@ _TOML_FIELDS: dict[tuple[str, str], str] = {
     ("train", "lr"): "lr",
     ("train", "weight_decay"): "weight_decay",
     ("train", "compression"): "compression",
-    ("train", "dense_warmup_steps"): "dense_warmup_steps",
+    ("train", "ratio_warmup_steps"): "ratio_warmup_steps",
     ("train", "max_ratio"): "max_ratio",
     ("train", "plan_method"): "plan_method",
     ("train", "checkpoint_every"): "checkpoint_every",
@@ -165,7 +165,7 @@ class JobSpec:
     lr: float = 1e-3
     weight_decay: float = 0.0
     compression: str = "none"
-    dense_warmup_steps: int = 20  # with compression: the first steps go dense (convergence.py)
+    ratio_warmup_steps: int = 100  # Top-K ratios grow from dense to the plan's over these (convergence.py)
     max_ratio: float = PLANNED_MAX_RATIO  # "planned": the hardest Top-K ratio on any link
     plan_method: str = "op-fence"
     checkpoint_every: int = 0  # 0: automatic, so that checkpoints cost <= 10% of the step time
@@ -207,7 +207,7 @@ class JobSpec:
             raise ConfigError(
                 f"[train] compression: must be one of {list(COMPRESSIONS)}, got {self.compression!r:.40}"
             )
-        _check_int("dense_warmup_steps", self.dense_warmup_steps, 0, _MAX_STEPS)
+        _check_int("ratio_warmup_steps", self.ratio_warmup_steps, 0, _MAX_STEPS)
         _check_float("max_ratio", self.max_ratio, 1.0, MAX_RATIO_LIMIT)
         from fusionp2p.data_owner import PLAN_METHODS
 
