@@ -6,7 +6,7 @@ Per swarm: peers, clusters found / made, OP-Fence's estimated pipelined iteratio
 each baseline's (equal-number / equal-computation x none / uniform / adaptive Top-K), the
 exact optimum where it runs (chain OP-DAG, <= 7 peers) and OP-Fence's gap to it, and what
 the local search after the DP gained. Then OP-Fence against the exact solver on
-``--tiny`` seeded tiny swarms (chains of 4-9 nodes, 2-6 peers, half of them memory-tight),
+``--tiny`` seeded tiny swarms (chains of 4-9 nodes, 2-7 peers, half of them memory-tight),
 memory-tight swarms (a GPT-2 XL at micro-batch 1 on an asymmetric swarm, GPT-2 small on
 small-memory peers, a 200-peer swarm) against a memory-aware lower bound, and the time to
 plan 1,000 peers on a 500-node OP-DAG.
@@ -173,10 +173,10 @@ def memory_tight(cost: CostConfig) -> None:
 
 
 def tiny_case(seed: int) -> tuple[OpDag, Topology]:
-    """A chain of 4-9 nodes on 2-6 peers; odd seeds have just 1.2-1.8x the memory needed."""
+    """A chain of 4-9 nodes on 2-7 peers; odd seeds have just 1.2-1.8x the memory needed."""
     rng = np.random.default_rng(seed)
     dag = chain_dag(int(rng.integers(4, 10)), rng)
-    n = int(rng.integers(2, 7))
+    n = int(rng.integers(2, 8))
     bw = np.exp(rng.uniform(np.log(1e6), np.log(1e9), (n, n)))
     memory = rng.uniform(0.5, 2.0, n)
     need = sum(4 * node.param_bytes + node.saved_bytes for node in dag.nodes)

@@ -7,10 +7,10 @@
    those fits, it offers the peers with the most memory instead. Within a cluster,
    peers go fastest first, fastest last, most memory first (early stages hold more
    micro-batches), or fastest first with the peers best connected to the previous and
-   next clusters at the ends. Up to 5 candidates, every peer order is tried too. With
+   next clusters at the ends. Up to 6 candidates, every peer order is tried too. With
    many orders, a quick single pass ranks them and only the best ``refine`` get the
-   full search; when none of those fits in memory, more orders are tried (all of them
-   for up to 6 candidates, else by memory and seeded random ones).
+   full search; when none of those fits in memory, or for up to 8 candidates, more
+   orders are tried (by memory both ways and 256 seeded random ones).
 3. For each order, a dynamic program over contiguous cuts of the OP-DAG's topological
    order and that peer sequence, where any peer may be left out (so a slow peer is only
    used when it helps). It runs from the end of the OP-DAG, so it knows each stage's
@@ -51,7 +51,8 @@ __all__ = ["cluster_orders", "contiguous_stages", "op_fence", "search_sequence"]
 logger = logging.getLogger(__name__)
 
 _CAP_FACTORS = (1.0, 1.15, 1.5, 2.5, math.inf)
-_EVERY_ORDER = 5  # up to this many candidates, OP-Fence tries every peer order
+_EVERY_ORDER = 6  # up to this many candidates, OP-Fence tries every peer order (720: ~1 s)
+_SEEDED_ORDERS = 8  # up to this many, also orders by memory and 256 seeded random ones
 
 
 def cluster_orders(topo: Topology, clusters: list[list[int]], max_orders: int = 24) -> list[tuple[int, ...]]:
@@ -388,13 +389,15 @@ def op_fence(
         ranked = [c[:per_cluster] for c in roomy]
         best = _best_of_orders(dag, topo, cost, ranked, ch, max_positions, refine)
         candidates = sorted({p for r in ranked for p in r})
-    if best is None:  # which peer takes which piece matters more than speed: try more orders
+    if best is None or _EVERY_ORDER < len(candidates) <= _SEEDED_ORDERS:
+        # which peer takes which piece matters more than speed when memory is tight: more orders
+        enough = 8 * refine if best is None else math.inf
         fitting = []
         for seq in _memory_orders(topo, candidates, seed):
             found = _quick(dag, topo, cost, seq, ch, max_positions)
             if found and math.isfinite(found[0].iteration_s):
                 fitting.append((found[0].iteration_s, seq))
-                if len(fitting) >= 8 * refine:
+                if len(fitting) >= enough:
                     break
         for _, seq in sorted(fitting, key=lambda f: f[0])[:refine]:
             found = search_sequence(dag, topo, cost, seq, max_positions=max_positions, ch=ch)
