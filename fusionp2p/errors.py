@@ -60,6 +60,17 @@ class SwarmError(FusionP2PError):
     """Joining, reading or leaving the swarm failed."""
 
 
+class IncompleteReadError(SwarmError):
+    """Directory keys that could not be read in time, even after a retry; ``keys`` names them."""
+
+    def __init__(self, keys: list[str]) -> None:
+        super().__init__(
+            f"{len(keys)} directory key(s) could not be read in time, even after a retry: "
+            f"{', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
+        )
+        self.keys = keys
+
+
 class CoordinatorError(SwarmError):
     """No peer holds the coordinator lease, or the coordinator refused or failed a job."""
 

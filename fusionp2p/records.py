@@ -24,6 +24,7 @@ from fusionp2p.errors import RecordError
 __all__ = [
     "EXEC_COMMANDS",
     "FETCHABLE",
+    "MAX_LINKS_PER_PEER",
     "MAX_RECORD_BYTES",
     "OPDATA_DIRECTIONS",
     "OPDATA_DTYPES",
@@ -42,6 +43,9 @@ __all__ = [
 ]
 
 MAX_RECORD_BYTES = 2048
+# A peer's links key holds at most this many LinkRecords (one per destination, ~300 B with
+# its signed subkey): < 20 KiB, whatever the swarm's size (net/directory.py).
+MAX_LINKS_PER_PEER = 64
 PEER_STATES = ("joining", "idle", "training", "leaving")
 _MAX_LIST = 16
 _MAX_STRS = 64  # a list of strings: multiaddrs, the consumer nodes of an OpData

@@ -8,6 +8,7 @@ from fusionp2p.errors import PeerUnreachableError, ProtocolError
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.probe import PROBE_PROTOCOL, LinkEstimator, LinkSample, probe_link, serve_probe
 from fusionp2p.net.transport import MemoryTransport, RateLimitedTransport
+from fusionp2p.records import MAX_LINKS_PER_PEER
 
 
 def _serve(transport: MemoryTransport, max_bytes: int, errors: list) -> None:
@@ -103,3 +104,12 @@ def test_a_busy_peer_probes_less_often() -> None:
     est = LinkEstimator("QmA", ProbeConfig(period=10.0, busy_slowdown=4.0))
     assert est.probe_interval(busy=False) == 10.0
     assert est.probe_interval(busy=True) == 40.0
+
+
+def test_estimator_republishes_at_most_the_directory_s_bound_freshest_first() -> None:
+    est = LinkEstimator("QmA", ProbeConfig())
+    for i in range(MAX_LINKS_PER_PEER + 6):
+        est.update(f"Qm{i}", _sample(1e6), now=float(i))
+    records = est.records(now=100.0, max_age=1000.0)
+    assert len(records) == MAX_LINKS_PER_PEER
+    assert {r.dst for r in records} == {f"Qm{i}" for i in range(6, MAX_LINKS_PER_PEER + 6)}

@@ -19,10 +19,16 @@ from dataclasses import replace
 from hivemind.utils import get_dht_time
 
 from fusionp2p.coordination.election import LeaseKeeper
-from fusionp2p.coordination.protocol import COORD_PROTOCOL, MAX_REQUEST_BYTES, JobReply, JobRequest
+from fusionp2p.coordination.protocol import (
+    COORD_PROTOCOL,
+    MAX_REQUEST_BYTES,
+    MAX_UNREAD,
+    JobReply,
+    JobRequest,
+)
 from fusionp2p.data_owner import plan_job
 from fusionp2p.errors import ConfigError, LimitError, ProtocolError, RecordError
-from fusionp2p.net.directory import SwarmDirectory
+from fusionp2p.net.directory import SwarmDirectory, Unread
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.limits import StreamGate
 from fusionp2p.net.transport import FrameStream, Transport
@@ -127,7 +133,8 @@ class Coordinator:
     async def _plan(self, request: JobRequest) -> JobReply:
         owner = request.owner.peer_id
         traced = await asyncio.to_thread(trace_spec, request.spec, self.registry, fake=True)
-        live = await self.directory.fetch_peers()
+        unread = Unread()  # directory keys it plans without: the reply says so
+        live = await self.directory.fetch_peers(unread=unread)
         reusable = await self._reusable_job(request)
         excluded = set(request.exclude) | {owner}
         idle = [
@@ -139,7 +146,9 @@ class Coordinator:
         if not idle:
             raise PlanningError(f"no idle peer to run job {request.job} on ({len(live)} live, all busy)")
         chosen = {p.peer_id for p in idle}
-        links = [lk for lk in await self.directory.fetch_links(sorted(chosen)) if lk.dst in chosen]
+        links = [
+            lk for lk in await self.directory.fetch_links(sorted(chosen), unread=unread) if lk.dst in chosen
+        ]
         owner_links = [lk for lk in request.owner_links if lk.dst in chosen]
         peers = (*idle, request.owner)
         all_links = (*links, *owner_links)
@@ -169,7 +178,7 @@ class Coordinator:
                 f"the DHT did not keep job {request.job}'s plan (epoch {epoch}); submit again"
             )
         logger.info(
-            "planned job %s%s for %s (epoch %d): %d stage(s) on %d idle peer(s), %.3f s per iteration",
+            "planned job %s%s for %s (epoch %d): %d stage(s) on %d idle peer(s), %.3f s per iteration%s",
             request.job,
             f" (re-plan of {request.replaces}, without {len(request.exclude)} peer(s))"
             if request.replaces
@@ -179,10 +188,12 @@ class Coordinator:
             len(records),
             len(idle),
             plan.iteration_s,
+            f", without {len(unread.keys)} unreadable directory key(s)" if unread.keys else "",
         )
         return JobReply(
             job=request.job,
             epoch=epoch,
+            unread=tuple(unread.keys[:MAX_UNREAD]),
             n_stages=len(records),
             coordinator=self.transport.peer_id,
             peers=peers,

@@ -31,7 +31,7 @@ from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.planning.cost import MAX_RATIO_LIMIT, PLANNED_MAX_RATIO
 from fusionp2p.records import LinkRecord, PeerRecord
 
-__all__ = ["COORD_PROTOCOL", "MAX_REPLY_BYTES", "MAX_REQUEST_BYTES", "JobReply", "JobRequest"]
+__all__ = ["COORD_PROTOCOL", "MAX_REPLY_BYTES", "MAX_REQUEST_BYTES", "MAX_UNREAD", "JobReply", "JobRequest"]
 
 COORD_PROTOCOL = "/fusionp2p/coord/1"
 MAX_REQUEST_BYTES = 256 << 10
@@ -39,6 +39,7 @@ MAX_REPLY_BYTES = 4 << 20
 _MAX_OWNER_LINKS = 64
 _MAX_EXCLUDE = 256
 _MAX_RECORDS = 4096
+MAX_UNREAD = 64  # directory keys a reply names as unread (the first of them)
 _HEX_RE = re.compile(r"^[0-9a-f]{2,8192}$")
 
 
@@ -155,6 +156,14 @@ class JobRequest:
         )
 
 
+def _keys(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or len(value) > MAX_UNREAD:
+        raise ConfigError(f"job reply unread must be a list of at most {MAX_UNREAD} directory keys")
+    if not all(isinstance(k, str) and 0 < len(k) <= 128 for k in value):
+        raise ConfigError("job reply unread holds a malformed directory key")
+    return tuple(value)
+
+
 def _peer_ids(value: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or len(value) > _MAX_EXCLUDE:
         raise ConfigError(f"job request exclude must be a list of at most {_MAX_EXCLUDE} PeerIDs")
@@ -192,6 +201,7 @@ class JobReply:
     coordinator: str
     peers: tuple[PeerRecord, ...]  # the records the plan was made from, the data owner's included
     links: tuple[LinkRecord, ...]
+    unread: tuple[str, ...] = ()  # directory keys the coordinator could not read: it planned without them
 
     def to_json(self) -> bytes:
         import json
@@ -204,6 +214,7 @@ class JobReply:
                 "coordinator": self.coordinator,
                 "peers": [p.to_wire().hex() for p in self.peers],
                 "links": [lk.to_wire().hex() for lk in self.links],
+                "unread": list(self.unread),
             }
         ).encode()
 
@@ -218,4 +229,5 @@ class JobReply:
             coordinator=_str(body, "coordinator"),
             peers=tuple(_records(body.get("peers"), PeerRecord, "job reply peers", _MAX_RECORDS)),
             links=tuple(_records(body.get("links"), LinkRecord, "job reply links", _MAX_RECORDS)),
+            unread=_keys(body.get("unread", [])),
         )

@@ -9,8 +9,15 @@ Layout (every value is one small signed record; DESIGN.md explains why values st
     {swarm}.runs            subkey  b"{run}" + owner marker      ->  RunStatusRecord (its data owner's report)
 
 Peers are spread over ``PEER_SHARDS`` keys so no single DHT value grows with the swarm;
-each link subkey expires on its own. A record only counts while it is unexpired, so a
-peer that dies without leaving disappears within its record TTL.
+a links key holds at most ``records.MAX_LINKS_PER_PEER`` entries (its peer publishes no
+more, readers take no more); each link subkey expires on its own. A record only counts
+while it is unexpired, so a peer that dies without leaving disappears within its record
+TTL.
+
+A read never returns less silently: a get that passes its deadline is retried once, and
+if it still fails ``fetch_peers``/``fetch_links`` raise ``IncompleteReadError`` naming the
+keys, or, given an ``Unread``, add the keys to it and return the rest (the caller reports
+what it worked without).
 """
 
 from __future__ import annotations
@@ -20,19 +27,47 @@ import contextlib
 import hashlib
 import logging
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 import hivemind
 from hivemind.utils import get_dht_time
 
-from fusionp2p.errors import RecordError, SwarmError
-from fusionp2p.records import LeaseRecord, LinkRecord, PeerRecord, PlanStageRecord, RunStatusRecord
+from fusionp2p.errors import IncompleteReadError, RecordError, SwarmError
+from fusionp2p.records import (
+    MAX_LINKS_PER_PEER,
+    LeaseRecord,
+    LinkRecord,
+    PeerRecord,
+    PlanStageRecord,
+    RunStatusRecord,
+)
 
-__all__ = ["MAX_STORE_BYTES", "PEER_SHARDS", "SwarmDirectory"]
+__all__ = ["MAX_STORE_BYTES", "PEER_SHARDS", "SwarmDirectory", "Unread"]
 
 logger = logging.getLogger(__name__)
 
 PEER_SHARDS = 16
 MAX_STORE_BYTES = 3000  # key + subkey + value; pickled with its MPFuture (~1.1 KiB more) < 4 KiB
+
+
+@dataclass
+class Unread:
+    """The directory keys a read could not get in time, even after a retry."""
+
+    keys: list[str] = field(default_factory=list)
+
+    def check(self, wanted: Unread | None) -> None:
+        """Hands the keys to the caller's ``wanted`` or, without one, raises.
+
+        Raises:
+            IncompleteReadError: keys are missing and the caller takes no partial read.
+        """
+        if not self.keys:
+            return
+        if wanted is None:
+            raise IncompleteReadError(self.keys)
+        logger.warning("read the directory without %d key(s): %s", len(self.keys), ", ".join(self.keys[:5]))
+        wanted.keys.extend(self.keys)
 
 
 def _shard(peer_id: str) -> int:
@@ -81,9 +116,19 @@ class SwarmDirectory:
         return await self._store(self.peer_key(record.peer_id), subkey, record.to_wire(), expiration)
 
     async def publish_links(self, records: Iterable[LinkRecord], expiration: float) -> int:
-        """Stores this peer's link measurements; returns how many were accepted."""
+        """Stores this peer's link measurements; returns how many were accepted.
+
+        Raises:
+            RecordError: more than ``MAX_LINKS_PER_PEER`` links, or links of two sources.
+        """
         if not self.owner_marker:
             raise SwarmError("this directory has no signing key; it can only read")
+        records = list(records)
+        if len(records) > MAX_LINKS_PER_PEER or len({r.src for r in records}) > 1:
+            raise RecordError(
+                f"a peer publishes at most {MAX_LINKS_PER_PEER} links of its own, got {len(records)} "
+                f"from {len({r.src for r in records})} source(s)"
+            )
         results = await asyncio.gather(
             *(
                 self._store(
@@ -95,11 +140,21 @@ class SwarmDirectory:
         )
         return sum(1 for ok in results if ok is True)
 
-    async def _get_dict(self, key: str) -> dict[bytes, bytes]:
-        try:
-            found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True), self.timeout)
-        except asyncio.TimeoutError:
-            logger.warning("DHT get of %s passed its %.0f s deadline", key, self.timeout)
+    async def _get_dict(self, key: str, unread: Unread | None = None) -> dict[bytes, bytes]:
+        """The unexpired subkeys of ``key``; one retry after a timeout, then ``{}`` with the
+        key added to ``unread`` (logged when there is none)."""
+        for attempt in range(2):
+            try:
+                future = self.dht.get(key, latest=True, return_future=True)
+                found = await asyncio.wait_for(future, self.timeout)
+                break
+            except asyncio.TimeoutError:
+                logger.warning(
+                    "DHT get of %s passed its %g s deadline (try %d)", key, self.timeout, attempt + 1
+                )
+        else:
+            if unread is not None:
+                unread.keys.append(key)
             return {}
         if found is None or not isinstance(found.value, dict):
             return {}
@@ -110,9 +165,19 @@ class SwarmDirectory:
             if item.expiration_time >= now and isinstance(item.value, bytes)
         }
 
-    async def fetch_peers(self, *, include_leaving: bool = False) -> dict[str, PeerRecord]:
-        """Live peers by PeerID (the freshest record of each)."""
-        shards = await asyncio.gather(*(self._get_dict(self.peers_key(s)) for s in range(PEER_SHARDS)))
+    async def fetch_peers(
+        self, *, include_leaving: bool = False, unread: Unread | None = None
+    ) -> dict[str, PeerRecord]:
+        """Live peers by PeerID (the freshest record of each).
+
+        Raises:
+            IncompleteReadError: a shard could not be read and no ``unread`` takes its key.
+        """
+        missing = Unread()
+        shards = await asyncio.gather(
+            *(self._get_dict(self.peers_key(s), missing) for s in range(PEER_SHARDS))
+        )
+        missing.check(unread)
         peers: dict[str, PeerRecord] = {}
         for values in shards:
             for data in values.values():
@@ -142,12 +207,26 @@ class SwarmDirectory:
                     return True
         return False
 
-    async def fetch_links(self, sources: Sequence[str]) -> list[LinkRecord]:
-        """Unexpired LinkRecords measured by each peer in ``sources``."""
-        per_source = await asyncio.gather(*(self._get_dict(self.links_key(src)) for src in sources))
+    async def fetch_links(self, sources: Sequence[str], *, unread: Unread | None = None) -> list[LinkRecord]:
+        """Unexpired LinkRecords measured by each peer in ``sources`` (at most
+        ``MAX_LINKS_PER_PEER`` of each).
+
+        Raises:
+            IncompleteReadError: a source's key could not be read and no ``unread`` takes it.
+        """
+        missing = Unread()
+        per_source = await asyncio.gather(*(self._get_dict(self.links_key(src), missing) for src in sources))
+        missing.check(unread)
         links: list[LinkRecord] = []
         for src, values in zip(sources, per_source, strict=True):
-            for data in values.values():
+            if len(values) > MAX_LINKS_PER_PEER:
+                logger.warning(
+                    "protocol error: %s holds %d links > %d; reading the first",
+                    src,
+                    len(values),
+                    MAX_LINKS_PER_PEER,
+                )
+            for data in list(values.values())[:MAX_LINKS_PER_PEER]:
                 try:
                     record = LinkRecord.from_wire(data)
                 except RecordError as e:

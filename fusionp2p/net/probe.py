@@ -25,7 +25,7 @@ from fusionp2p.config import ProbeConfig
 from fusionp2p.errors import ProtocolError
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.transport import FrameStream, Transport
-from fusionp2p.records import LinkRecord
+from fusionp2p.records import MAX_LINKS_PER_PEER, LinkRecord
 
 __all__ = ["PROBE_PROTOCOL", "LinkEstimator", "LinkSample", "probe_link", "serve_probe"]
 
@@ -157,8 +157,11 @@ class LinkEstimator:
         )
 
     def records(self, now: float, max_age: float) -> list[LinkRecord]:
-        """Records of links measured within ``max_age`` seconds, to republish."""
-        return [self._record(dst, s) for dst, s in self._links.items() if now - s.measured_at <= max_age]
+        """Records of links measured within ``max_age`` seconds, to republish: the freshest
+        ``MAX_LINKS_PER_PEER`` (what the directory holds of one peer)."""
+        fresh = [(s.measured_at, dst) for dst, s in self._links.items() if now - s.measured_at <= max_age]
+        fresh.sort(key=lambda item: (-item[0], item[1]))
+        return [self._record(dst, self._links[dst]) for _, dst in fresh[:MAX_LINKS_PER_PEER]]
 
     def known_peers(self) -> set[str]:
         """Peers this estimator holds a measurement of."""

@@ -20,7 +20,7 @@ from fusionp2p.coordination.election import find_coordinator, lease_in_force
 from fusionp2p.coordination.protocol import COORD_PROTOCOL, MAX_REPLY_BYTES, JobReply, JobRequest
 from fusionp2p.data_owner import probe_from, self_record
 from fusionp2p.errors import ConfigError, CoordinatorError, SwarmError
-from fusionp2p.net.directory import SwarmDirectory
+from fusionp2p.net.directory import SwarmDirectory, Unread
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.transport import Transport
 from fusionp2p.opdag.families import ModelRegistry
@@ -73,7 +73,7 @@ async def wait_for_peers(directory: SwarmDirectory, n: int, timeout: float) -> l
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
-        peers = await directory.fetch_peers()
+        peers = await directory.fetch_peers(unread=Unread())  # a shard that timed out: count the rest
         idle = sorted((p for p in peers.values() if p.state == "idle"), key=lambda p: -p.fp32_flops)
         if len(idle) >= n:
             return idle
@@ -114,7 +114,7 @@ async def submit_job(
     registry = registry or ModelRegistry.for_data_owner(spec.family)
     traced = await asyncio.to_thread(trace_spec, spec, registry, fake=True)
     if replaces:
-        live = await directory.fetch_peers()
+        live = await directory.fetch_peers(unread=Unread())  # the coordinator reads for itself
         peers = sorted(
             (p for p in live.values() if p.state == "idle" or p.job == replaces), key=lambda p: -p.fp32_flops
         )
@@ -157,6 +157,14 @@ async def submit_job(
         reply = JobReply.from_json(body)
     except ConfigError as e:
         raise CoordinatorError(f"the coordinator {holder[-8:]} sent a malformed reply: {e}") from e
+    if reply.unread:
+        logger.warning(
+            "the coordinator planned job %s without %d directory key(s) it could not read in time "
+            "(their peers and links are unknown to the plan): %s",
+            run_id,
+            len(reply.unread),
+            ", ".join(reply.unread[:5]),
+        )
     now_lease = lease_in_force(await directory.fetch_leases(), get_dht_time())
     if now_lease is None or (now_lease.epoch, now_lease.holder) != (reply.epoch, reply.coordinator):
         raise CoordinatorError(f"the coordinator changed while planning job {job.name}; submit it again")
