@@ -13,7 +13,7 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from fusionp2p.coordination.protocol import JobReply
 from fusionp2p.errors import ConfigError, IncompleteReadError, RecordError
-from fusionp2p.net.directory import PEER_SHARDS, SwarmDirectory, Unread
+from fusionp2p.net.directory import MAX_PEERS_PER_SHARD, PEER_SHARDS, SwarmDirectory, Unread
 from fusionp2p.records import MAX_LINKS_PER_PEER, LinkRecord, PeerRecord
 
 SRC = "Qm" + "s" * 44
@@ -53,8 +53,9 @@ class _FakeDHT:
         }
         return asyncio.sleep(0, result=ValueWithExpiration(found, get_dht_time() + 60) if found else None)
 
-    def store(self, *args: Any, **kwargs: Any) -> Any:
+    def store(self, key: str, value: bytes, expiration: float, subkey: bytes, return_future: bool) -> Any:
         self.stores += 1
+        self.values.setdefault(key, {})[subkey] = value
         return asyncio.sleep(0, result=True)
 
 
@@ -110,3 +111,22 @@ def test_a_reply_says_which_keys_its_plan_was_made_without() -> None:
     bad = reply.to_json().replace(b'"unread": ["t.peers.3"]', b'"unread": ["' + b"x" * 200 + b'"]')
     with pytest.raises(ConfigError, match="unread"):
         JobReply.from_json(bad)
+
+
+def test_peer_shards_split_as_the_swarm_grows_and_no_key_passes_its_bound() -> None:
+    dht = _FakeDHT({})
+    directory = _directory(dht)
+
+    async def join(n: int) -> None:
+        for i in range(n):
+            assert await directory.publish_peer(_peer(i), 1e12)
+
+    asyncio.run(join(1000))
+    sizes = {key: len(v) for key, v in dht.values.items()}
+    assert max(sizes.values()) <= MAX_PEERS_PER_SHARD  # one writer at a time: never over
+    assert any(key.count(".") == 3 for key in sizes)  # shards split below level 0
+    dht.gets.clear()
+    assert len(asyncio.run(directory.fetch_peers())) == 1000
+    assert len(dht.gets) < 4 * 1000 / MAX_PEERS_PER_SHARD  # about 2 N / bound gets, not N
+    asyncio.run(join(1000))  # republishing: every peer finds its own entry, nothing moves
+    assert {key: len(v) for key, v in dht.values.items()} == sizes

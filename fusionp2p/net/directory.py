@@ -2,17 +2,24 @@
 
 Layout (every value is one small signed record; DESIGN.md explains why values stay small):
 
-    {swarm}.peers.{shard}   subkey  b"{peer_id}" + owner marker  ->  PeerRecord
+    {swarm}.peers.{shard}   subkey  b"{peer_id}" + owner marker  ->  PeerRecord (level 0)
+    {swarm}.peers.{L}.{shard}        the same, at level L >= 1 (16 << L shards)
     {swarm}.links.{src}     subkey  b"{dst}" + owner marker      ->  LinkRecord (src -> dst)
     {swarm}.coordinator     subkey  b"{holder}" + owner marker   ->  LeaseRecord (a claim on the lease)
     {swarm}.plans           subkey  b"{job}.{epoch}.{stage}" + marker  ->  PlanStageRecord
     {swarm}.runs            subkey  b"{run}" + owner marker      ->  RunStatusRecord (its data owner's report)
 
-Peers are spread over ``PEER_SHARDS`` keys so no single DHT value grows with the swarm;
-a links key holds at most ``records.MAX_LINKS_PER_PEER`` entries (its peer publishes no
-more, readers take no more); each link subkey expires on its own. A record only counts
-while it is unexpired, so a peer that dies without leaving disappears within its record
-TTL.
+Peers are spread over ``PEER_SHARDS`` keys at level 0; a shard holding
+``MAX_PEERS_PER_SHARD`` peers is full, and a peer whose shard is full writes one level
+down, where its shard splits in two (level L has ``PEER_SHARDS << L`` shards, a peer's
+shard is its hash modulo that). Readers descend below every full shard. So a key holds
+about ``MAX_PEERS_PER_SHARD`` records (plus peers that joined at the same moment) at any
+swarm size, and a read of N peers costs about ``2 N / MAX_PEERS_PER_SHARD`` gets. A peer
+re-walks from level 0 at every heartbeat, so it moves up when its shard empties; until
+then (one heartbeat) readers may miss it. A links key holds at most
+``records.MAX_LINKS_PER_PEER`` entries (its peer publishes no more, readers take no
+more); each link subkey expires on its own. A record only counts while it is unexpired,
+so a peer that dies without leaving disappears within its record TTL.
 
 A read never returns less silently: a get that passes its deadline is retried once, and
 if it still fails ``fetch_peers``/``fetch_links`` raise ``IncompleteReadError`` naming the
@@ -42,11 +49,20 @@ from fusionp2p.records import (
     RunStatusRecord,
 )
 
-__all__ = ["MAX_STORE_BYTES", "PEER_SHARDS", "SwarmDirectory", "Unread"]
+__all__ = [
+    "MAX_PEERS_PER_SHARD",
+    "MAX_PEER_LEVEL",
+    "MAX_STORE_BYTES",
+    "PEER_SHARDS",
+    "SwarmDirectory",
+    "Unread",
+]
 
 logger = logging.getLogger(__name__)
 
-PEER_SHARDS = 16
+PEER_SHARDS = 16  # shards at level 0
+MAX_PEERS_PER_SHARD = 32  # a full shard (~1.5 KiB per record in the DHT: < 64 KiB per key)
+MAX_PEER_LEVEL = 8  # 4096 shards at the deepest level: ~130,000 peers
 MAX_STORE_BYTES = 3000  # key + subkey + value; pickled with its MPFuture (~1.1 KiB more) < 4 KiB
 
 
@@ -70,8 +86,8 @@ class Unread:
         wanted.keys.extend(self.keys)
 
 
-def _shard(peer_id: str) -> int:
-    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") % PEER_SHARDS
+def _shard(peer_id: str, level: int = 0) -> int:
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:4], "big") % (PEER_SHARDS << level)
 
 
 class SwarmDirectory:
@@ -89,12 +105,12 @@ class SwarmDirectory:
         self.owner_marker = owner_marker
         self.timeout = timeout
 
-    def peers_key(self, shard: int) -> str:
-        return f"{self.swarm}.peers.{shard}"
+    def peers_key(self, shard: int, level: int = 0) -> str:
+        return f"{self.swarm}.peers.{shard}" if level == 0 else f"{self.swarm}.peers.{level}.{shard}"
 
-    def peer_key(self, peer_id: str) -> str:
-        """The key (shard) that holds ``peer_id``'s record."""
-        return self.peers_key(_shard(peer_id))
+    def peer_key(self, peer_id: str, level: int = 0) -> str:
+        """The key (shard) at ``level`` that holds ``peer_id``'s record when it lives there."""
+        return self.peers_key(_shard(peer_id, level), level)
 
     def links_key(self, src: str) -> str:
         return f"{self.swarm}.links.{src}"
@@ -109,11 +125,26 @@ class SwarmDirectory:
         return bool(await asyncio.wait_for(future, self.timeout))
 
     async def publish_peer(self, record: PeerRecord, expiration: float) -> bool:
-        """Stores this peer's record until ``expiration`` (DHT time); True if any replica took it."""
+        """Stores this peer's record until ``expiration`` (DHT time) in the first shard on
+        its path from level 0 that holds it already or is not full; True if any replica
+        took it.
+
+        Raises:
+            SwarmError: every shard on its path is full (more peers than the directory holds).
+        """
         if not self.owner_marker:
             raise SwarmError("this directory has no signing key; it can only read")
         subkey = record.peer_id.encode() + self.owner_marker
-        return await self._store(self.peer_key(record.peer_id), subkey, record.to_wire(), expiration)
+        mine = record.peer_id.encode()
+        for level in range(MAX_PEER_LEVEL + 1):
+            key = self.peer_key(record.peer_id, level)
+            held = await self._get_dict(key)
+            if len(held) < MAX_PEERS_PER_SHARD or any(s.startswith(mine) for s in held):
+                return await self._store(key, subkey, record.to_wire(), expiration)
+        raise SwarmError(
+            f"every shard on {record.peer_id[-8:]}'s path holds {MAX_PEERS_PER_SHARD} peers, down to level "
+            f"{MAX_PEER_LEVEL}: the directory is full"
+        )
 
     async def publish_links(self, records: Iterable[LinkRecord], expiration: float) -> int:
         """Stores this peer's link measurements; returns how many were accepted.
@@ -174,9 +205,21 @@ class SwarmDirectory:
             IncompleteReadError: a shard could not be read and no ``unread`` takes its key.
         """
         missing = Unread()
-        shards = await asyncio.gather(
-            *(self._get_dict(self.peers_key(s), missing) for s in range(PEER_SHARDS))
-        )
+        shards: list[dict[bytes, bytes]] = []
+        level, wanted = 0, list(range(PEER_SHARDS))
+        while wanted:
+            got = await asyncio.gather(*(self._get_dict(self.peers_key(s, level), missing) for s in wanted))
+            shards += got
+            if level == MAX_PEER_LEVEL:
+                break
+            width = PEER_SHARDS << level  # a full shard s splits into s and s + width one level down
+            wanted = [
+                c
+                for s, v in zip(wanted, got, strict=True)
+                if len(v) >= MAX_PEERS_PER_SHARD
+                for c in (s, s + width)
+            ]
+            level += 1
         missing.check(unread)
         peers: dict[str, PeerRecord] = {}
         for values in shards:
@@ -200,11 +243,15 @@ class SwarmDirectory:
         replica that validates nothing, or holds a forged entry under the peer's subkey,
         makes a store look refused while honest replicas took it: read back to know.
         """
-        for data in (await self._get_dict(self.peer_key(record.peer_id))).values():
-            with contextlib.suppress(RecordError):
-                found = PeerRecord.from_wire(data)
-                if found.peer_id == record.peer_id and found.updated_at >= record.updated_at:
-                    return True
+        for level in range(MAX_PEER_LEVEL + 1):
+            held = await self._get_dict(self.peer_key(record.peer_id, level))
+            for data in held.values():
+                with contextlib.suppress(RecordError):
+                    found = PeerRecord.from_wire(data)
+                    if found.peer_id == record.peer_id and found.updated_at >= record.updated_at:
+                        return True
+            if len(held) < MAX_PEERS_PER_SHARD:
+                return False
         return False
 
     async def fetch_links(self, sources: Sequence[str], *, unread: Unread | None = None) -> list[LinkRecord]:
