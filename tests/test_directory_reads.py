@@ -13,7 +13,13 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from fusionp2p.coordination.protocol import JobReply
 from fusionp2p.errors import ConfigError, IncompleteReadError, RecordError
-from fusionp2p.net.directory import MAX_PEERS_PER_SHARD, PEER_SHARDS, SwarmDirectory, Unread
+from fusionp2p.net.directory import (
+    MAX_CONCURRENT_GETS,
+    MAX_PEERS_PER_SHARD,
+    PEER_SHARDS,
+    SwarmDirectory,
+    Unread,
+)
 from fusionp2p.records import MAX_LINKS_PER_PEER, LinkRecord, PeerRecord
 
 SRC = "Qm" + "s" * 44
@@ -43,6 +49,7 @@ class _FakeDHT:
 
     def __init__(self, values: dict[str, dict[bytes, bytes]], stuck: set[str] = frozenset()) -> None:
         self.values, self.stuck, self.gets, self.stores = values, stuck, [], 0
+        self.in_flight = self.most_in_flight = 0
 
     def get(self, key: str, latest: bool, return_future: bool) -> Any:
         self.gets.append(key)
@@ -51,7 +58,14 @@ class _FakeDHT:
         found = {
             sub: ValueWithExpiration(v, get_dht_time() + 60) for sub, v in self.values.get(key, {}).items()
         }
-        return asyncio.sleep(0, result=ValueWithExpiration(found, get_dht_time() + 60) if found else None)
+        return self._answer(ValueWithExpiration(found, get_dht_time() + 60) if found else None)
+
+    async def _answer(self, value: Any) -> Any:
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        await asyncio.sleep(0.001)
+        self.in_flight -= 1
+        return value
 
     def store(self, key: str, value: bytes, expiration: float, subkey: bytes, return_future: bool) -> Any:
         self.stores += 1
@@ -130,3 +144,10 @@ def test_peer_shards_split_as_the_swarm_grows_and_no_key_passes_its_bound() -> N
     assert len(dht.gets) < 4 * 1000 / MAX_PEERS_PER_SHARD  # about 2 N / bound gets, not N
     asyncio.run(join(1000))  # republishing: every peer finds its own entry, nothing moves
     assert {key: len(v) for key, v in dht.values.items()} == sizes
+
+
+def test_a_wide_read_keeps_a_bounded_number_of_gets_in_flight() -> None:
+    sources = [f"Qm{i:044d}" for i in range(300)]
+    dht = _FakeDHT({f"t.links.{s}": {b"d": _link(1).to_wire()} for s in sources})
+    asyncio.run(_directory(dht).fetch_links(sources))
+    assert len(dht.gets) == 300 and dht.most_in_flight == MAX_CONCURRENT_GETS

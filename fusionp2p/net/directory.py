@@ -21,7 +21,9 @@ then (one heartbeat) readers may miss it. A links key holds at most
 more); each link subkey expires on its own. A record only counts while it is unexpired,
 so a peer that dies without leaving disappears within its record TTL.
 
-A read never returns less silently: a get that passes its deadline is retried once, and
+A read never returns less silently, and never floods the DHT: at most
+``MAX_CONCURRENT_GETS`` gets are in flight per directory (the rest queue; the deadline
+counts from the moment a get is sent). A get that passes its deadline is retried once, and
 if it still fails ``fetch_peers``/``fetch_links`` raise ``IncompleteReadError`` naming the
 keys, or, given an ``Unread``, add the keys to it and return the rest (the caller reports
 what it worked without).
@@ -33,6 +35,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -50,6 +53,7 @@ from fusionp2p.records import (
 )
 
 __all__ = [
+    "MAX_CONCURRENT_GETS",
     "MAX_PEERS_PER_SHARD",
     "MAX_PEER_LEVEL",
     "MAX_STORE_BYTES",
@@ -63,6 +67,7 @@ logger = logging.getLogger(__name__)
 PEER_SHARDS = 16  # shards at level 0
 MAX_PEERS_PER_SHARD = 32  # a full shard (~1.5 KiB per record in the DHT: < 64 KiB per key)
 MAX_PEER_LEVEL = 8  # 4096 shards at the deepest level: ~130,000 peers
+MAX_CONCURRENT_GETS = 32  # a read of many keys queues here instead of flooding the DHT process
 MAX_STORE_BYTES = 3000  # key + subkey + value; pickled with its MPFuture (~1.1 KiB more) < 4 KiB
 
 
@@ -104,6 +109,17 @@ class SwarmDirectory:
         self.swarm = swarm
         self.owner_marker = owner_marker
         self.timeout = timeout
+        self._gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def _gate(self) -> asyncio.Semaphore:
+        """The running loop's bound on gets in flight (a semaphore belongs to one loop)."""
+        loop = asyncio.get_running_loop()
+        gate = self._gates.get(loop)
+        if gate is None:
+            gate = self._gates[loop] = asyncio.Semaphore(MAX_CONCURRENT_GETS)
+        return gate
 
     def peers_key(self, shard: int, level: int = 0) -> str:
         return f"{self.swarm}.peers.{shard}" if level == 0 else f"{self.swarm}.peers.{level}.{shard}"
@@ -176,8 +192,9 @@ class SwarmDirectory:
         key added to ``unread`` (logged when there is none)."""
         for attempt in range(2):
             try:
-                future = self.dht.get(key, latest=True, return_future=True)
-                found = await asyncio.wait_for(future, self.timeout)
+                async with self._gate():
+                    future = self.dht.get(key, latest=True, return_future=True)
+                    found = await asyncio.wait_for(future, self.timeout)
                 break
             except asyncio.TimeoutError:
                 logger.warning(
