@@ -237,6 +237,25 @@ def test_a_silent_owner_loses_its_job_after_the_idle_timeout(caplog: pytest.LogC
     assert "nothing from its owner or neighbours" in caplog.text
 
 
+def test_a_job_whose_forward_waits_for_its_window_is_still_freed_when_its_owner_dies() -> None:
+    async def run() -> None:
+        async with net() as n:
+            d = await driver(n)
+            (job,) = n.service.jobs.values()
+            assert job.setup.in_flight == 1  # the last of 2 stages holds one micro-batch
+            header = dataclasses.replace(first_forward(d.partition, d.job), micro_batch=1)
+            stream = await n.owner.open(STAGE, EXEC_PROTOCOL, timeout=2)
+            body = torch.zeros(header.shape).numpy().tobytes()
+            assert (await ask(stream, header, body))[0] is FrameKind.ACK
+            await asyncio.sleep(0.1)
+            assert job.held == 1 and job.queued == 1  # micro-batch 1 waits for micro-batch 0's backward
+            await asyncio.sleep(4 * LIMITS.job_idle_timeout)  # ... which never comes: the owner is silent
+            assert not n.service.jobs and (job.queued, job.held) == (0, 0)  # freed, its slot released
+            await d.service.aclose()
+
+    asyncio.run(run())
+
+
 def test_private_swarm_takes_jobs_only_from_its_list() -> None:
     async def run() -> None:
         policy = ServicePolicy(limits=LIMITS, timeout=5.0, accept_jobs_from=frozenset({OWNER}))

@@ -100,6 +100,7 @@ class ComputeQueue:
     def _take(self, work: Work, batch: list[Work]) -> None:
         if self._gated(work):
             self._held.append(work)
+            work.job.held += 1
         else:
             self._admitted(work)
             batch.append(work)
@@ -110,8 +111,18 @@ class ComputeQueue:
         if out:
             self._held = [w for w in self._held if self._gated(w)]
             for work in out:
+                work.job.held -= 1
                 self._admitted(work)
         return out
+
+    def discard(self, job: Job) -> None:
+        """Drops the forwards of ``job`` held for its window (the job ended: no backward
+        will ever admit them), releasing their queue slots and inbound budget."""
+        mine = [w for w in self._held if w.job is job]
+        self._held = [w for w in self._held if w.job is not job]
+        for work in mine:
+            job.held -= 1
+            self._finish(work)
 
     def _admitted(self, work: Work) -> None:
         job, micro_batch = work.job, work.forward_of

@@ -441,6 +441,7 @@ class ExecutorService:
         if self.jobs.get(job.name) is job:
             del self.jobs[job.name]
         await job.aclose()
+        self.compute.discard(job)
         await self.compute.notify()
         self._jobs_changed()
         logger.info("job %s (stage %d) ended: %s; its memory is freed", job.name, job.setup.stage, why)
@@ -453,5 +454,6 @@ class ExecutorService:
             now = time.monotonic()
             for job in list(self.jobs.values()):
                 idle = now - job.last_active
-                if job.owner != self.transport.peer_id and not job.busy and not job.queued and idle > limit:
+                stuck = job.queued == job.held  # nothing runs; held forwards wait for a backward
+                if job.owner != self.transport.peer_id and not job.busy and stuck and idle > limit:
                     await self._drop(job, f"nothing from its owner or neighbours for {idle:.0f} s")
