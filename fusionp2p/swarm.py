@@ -303,7 +303,7 @@ class Swarm:
         ``--allow-model``); ``registry`` is what this process builds the model from
         (default: built-ins, installed entry points, and ``spec.family`` if it is an
         import path). ``initial_state`` (a checkpoint's tensors by name) replaces the
-        model's initial weights and optimizer state on every stage. The first
+        model's initial weights and optimizer state on every stage.
         Over the first ``ratio_warmup`` iterations (an int, or a ``RatioWarmup`` that
         continues a ramp) the plan's Top-K ratios grow geometrically from 1 (dense) to
         their planned values.

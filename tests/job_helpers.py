@@ -1,13 +1,31 @@
-"""Helpers of the training tests: the single-process reference a swarm run must match."""
+"""Helpers of the training and coordination tests: the single-process reference a swarm
+run must match, and a peer's record."""
 
 from __future__ import annotations
 
 import torch
 
 from fusionp2p.opdag.families import ModelRegistry
+from fusionp2p.records import PeerRecord
 from fusionp2p.runtime.losses import lm_loss
 from fusionp2p.training.corpus import TextCorpus
 from fusionp2p.training.job_spec import JobSpec
+
+
+def peer_record(peer_id: str, state: str = "training") -> PeerRecord:
+    """A small CPU peer's record (10 GFLOP/s, 1 GiB free)."""
+    return PeerRecord(
+        peer_id=peer_id,
+        maddrs=(),
+        device="cpu",
+        device_name="cpu",
+        flops={"float32": 1e10},
+        memory_bytes=1 << 30,
+        total_memory_bytes=1 << 31,
+        state=state,
+        started_at=0.0,
+        updated_at=0.0,
+    )
 
 
 def reference_losses(job: JobSpec) -> list[float]:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from hivemind.utils import ValueWithExpiration, get_dht_time
+from job_helpers import peer_record
 
 from fusionp2p.coordination.protocol import JobReply
 from fusionp2p.errors import ConfigError, IncompleteReadError, RecordError
@@ -26,18 +27,7 @@ SRC = "Qm" + "s" * 44
 
 
 def _peer(i: int) -> PeerRecord:
-    return PeerRecord(
-        peer_id=f"Qm{i:044d}",
-        maddrs=(),
-        device="cpu",
-        device_name="cpu",
-        flops={"float32": 1e10},
-        memory_bytes=1 << 30,
-        total_memory_bytes=1 << 31,
-        state="idle",
-        started_at=0.0,
-        updated_at=0.0,
-    )
+    return peer_record(f"Qm{i:044d}", state="idle")
 
 
 def _link(i: int) -> LinkRecord:

@@ -248,9 +248,9 @@ def test_a_job_whose_forward_waits_for_its_window_is_still_freed_when_its_owner_
             body = torch.zeros(header.shape).numpy().tobytes()
             assert (await ask(stream, header, body))[0] is FrameKind.ACK
             await asyncio.sleep(0.1)
-            assert job.held == 1 and job.queued == 1  # micro-batch 1 waits for micro-batch 0's backward
+            assert job.gated == 1 and job.queued == 1  # micro-batch 1 waits for micro-batch 0's backward
             await asyncio.sleep(4 * LIMITS.job_idle_timeout)  # ... which never comes: the owner is silent
-            assert not n.service.jobs and (job.queued, job.held) == (0, 0)  # freed, its slot released
+            assert not n.service.jobs and (job.queued, job.gated) == (0, 0)  # freed, its slot released
             await d.service.aclose()
 
     asyncio.run(run())

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from job_helpers import peer_record
 
 from fusionp2p.config import OptimizerConfig
 from fusionp2p.coordination.protocol import JobRequest
 from fusionp2p.errors import ConfigError, ProtocolError
 from fusionp2p.opdag.spec import ModelSpec
-from fusionp2p.records import PeerRecord
 from fusionp2p.runtime.stage_state import StageState
 from fusionp2p.training.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
 from fusionp2p.training.job_spec import JobSpec
@@ -141,21 +141,6 @@ def test_a_stage_refuses_optimizer_state_that_is_not_its_own(
     assert torch.equal(stage.tensors["weight"], before)  # nothing was loaded
 
 
-def _peer(peer_id: str) -> PeerRecord:
-    return PeerRecord(
-        peer_id=peer_id,
-        maddrs=(),
-        device="cpu",
-        device_name="cpu",
-        flops={"float32": 1e10},
-        memory_bytes=1 << 30,
-        total_memory_bytes=1 << 31,
-        state="training",
-        started_at=0.0,
-        updated_at=0.0,
-    )
-
-
 def test_a_replan_request_names_peers_and_can_only_slow_them_down() -> None:
     spec = ModelSpec("gpt2", {"n_layer": 1, "n_embd": 8, "n_head": 2, "vocab_size": 256}, input_shape=(1, 8))
     request = JobRequest(
@@ -164,7 +149,7 @@ def test_a_replan_request_names_peers_and_can_only_slow_them_down() -> None:
         2,
         "none",
         "op-fence",
-        _peer(A),
+        peer_record(A),
         (),
         replaces="job-1",
         exclude=(B,),

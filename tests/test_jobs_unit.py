@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 from hivemind.utils import get_dht_time
+from job_helpers import peer_record
 
 from fusionp2p.coordination.election import LeaseKeeper, highest_epoch, lease_in_force
 from fusionp2p.coordination.protocol import JobReply, JobRequest
@@ -16,7 +17,7 @@ from fusionp2p.errors import ConfigError
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.opdag.trace import trace_spec
-from fusionp2p.records import LeaseRecord, LinkRecord, PeerRecord
+from fusionp2p.records import LeaseRecord, LinkRecord
 from fusionp2p.training.corpus import TextCorpus
 from fusionp2p.training.job_spec import EXAMPLE_CONFIG, JobSpec, compression_policy
 
@@ -121,25 +122,10 @@ def test_the_corpus_cuts_byte_tokens_into_seeded_batches(tmp_path) -> None:
     assert "python3" in stdlib.source and len(stdlib.tokens) == 50_000
 
 
-def _peer(peer_id: str) -> PeerRecord:
-    return PeerRecord(
-        peer_id=peer_id,
-        maddrs=(),
-        device="cpu",
-        device_name="cpu",
-        flops={"float32": 1e10},
-        memory_bytes=1 << 30,
-        total_memory_bytes=1 << 31,
-        state="training",
-        started_at=0.0,
-        updated_at=0.0,
-    )
-
-
 def test_a_job_request_speaks_only_for_its_sender() -> None:
     spec = ModelSpec("gpt2", {"n_layer": 1, "n_embd": 8, "n_head": 2, "vocab_size": 256}, input_shape=(1, 8))
     link = LinkRecord(src=A, dst=B, bandwidth_bytes_per_s=1e6, rtt_s=0.01, measured_at=0.0)
-    request = JobRequest("job-1", spec, 2, "none", "op-fence", _peer(A), (link,))
+    request = JobRequest("job-1", spec, 2, "none", "op-fence", peer_record(A), (link,))
     back = JobRequest.from_json(request.to_json(), sender=A)
     assert back == request
     with pytest.raises(ConfigError, match="speak for the peer that sends them"):
@@ -155,7 +141,7 @@ def test_a_job_request_speaks_only_for_its_sender() -> None:
             JobRequest.from_json(body, sender=A)
     policy = compression_policy("planned", 8.0)
     assert (policy.kind, policy.max_ratio) == ("planned", 8.0)
-    reply = JobReply("job-1", 3, 2, B, (_peer(A),), (link,))
+    reply = JobReply("job-1", 3, 2, B, (peer_record(A),), (link,))
     assert JobReply.from_json(reply.to_json()) == reply
 
 

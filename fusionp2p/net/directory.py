@@ -36,7 +36,7 @@ import contextlib
 import hashlib
 import logging
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import hivemind
@@ -140,6 +140,16 @@ class SwarmDirectory:
         future = self.dht.store(key, value, expiration, subkey=subkey, return_future=True)
         return bool(await asyncio.wait_for(future, self.timeout))
 
+    async def _path(self, peer_id: str) -> AsyncIterator[tuple[str, dict[bytes, bytes]]]:
+        """The shards on ``peer_id``'s path from level 0 with what they hold: each full one
+        and the first that is not (where its record is, or goes)."""
+        for level in range(MAX_PEER_LEVEL + 1):
+            key = self.peer_key(peer_id, level)
+            held = await self._get_dict(key)
+            yield key, held
+            if len(held) < MAX_PEERS_PER_SHARD:
+                return
+
     async def publish_peer(self, record: PeerRecord, expiration: float) -> bool:
         """Stores this peer's record until ``expiration`` (DHT time) in the first shard on
         its path from level 0 that holds it already or is not full; True if any replica
@@ -152,9 +162,7 @@ class SwarmDirectory:
             raise SwarmError("this directory has no signing key; it can only read")
         subkey = record.peer_id.encode() + self.owner_marker
         mine = record.peer_id.encode()
-        for level in range(MAX_PEER_LEVEL + 1):
-            key = self.peer_key(record.peer_id, level)
-            held = await self._get_dict(key)
+        async for key, held in self._path(record.peer_id):
             if len(held) < MAX_PEERS_PER_SHARD or any(s.startswith(mine) for s in held):
                 return await self._store(key, subkey, record.to_wire(), expiration)
         raise SwarmError(
@@ -260,15 +268,12 @@ class SwarmDirectory:
         replica that validates nothing, or holds a forged entry under the peer's subkey,
         makes a store look refused while honest replicas took it: read back to know.
         """
-        for level in range(MAX_PEER_LEVEL + 1):
-            held = await self._get_dict(self.peer_key(record.peer_id, level))
+        async for _, held in self._path(record.peer_id):
             for data in held.values():
                 with contextlib.suppress(RecordError):
                     found = PeerRecord.from_wire(data)
                     if found.peer_id == record.peer_id and found.updated_at >= record.updated_at:
                         return True
-            if len(held) < MAX_PEERS_PER_SHARD:
-                return False
         return False
 
     async def fetch_links(self, sources: Sequence[str], *, unread: Unread | None = None) -> list[LinkRecord]:

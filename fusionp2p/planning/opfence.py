@@ -331,7 +331,8 @@ def _best_of_orders(
     seqs = _sequences(topo, ranked, cluster_orders(topo, ranked))
     few = sorted(p for r in ranked for p in r)
     if len(few) <= _EVERY_ORDER:  # a handful of peers: every order is cheap
-        seqs += [list(p) for p in itertools.permutations(few) if list(p) not in seqs]
+        seen = {tuple(s) for s in seqs}
+        seqs += [list(p) for p in itertools.permutations(few) if p not in seen]
     if len(seqs) > refine:  # many candidates: a quick single pass picks the ones worth refining
         quick = [_quick(dag, topo, cost, s, ch, max_positions) for s in seqs]
         score = [q[0].iteration_s if q else math.inf for q in quick]
@@ -347,9 +348,9 @@ def _best_of_orders(
 def _memory_orders(
     topo: Topology, candidates: Sequence[int], seed: int, tries: int = 256
 ) -> Iterator[list[int]]:
-    """Peer orders to try when no cluster-wise order fits: every one for up to 6 peers, else
-    by memory (both ways) and seeded random orders."""
-    if len(candidates) <= 6:
+    """Peer orders to try when no cluster-wise order fits: every one for up to
+    ``_EVERY_ORDER`` peers, else by memory (both ways) and seeded random orders."""
+    if len(candidates) <= _EVERY_ORDER:
         yield from (list(p) for p in itertools.permutations(candidates))
         return
     by_memory = sorted(candidates, key=lambda p: (-topo.memory[p], p))

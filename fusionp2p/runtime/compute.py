@@ -50,7 +50,7 @@ class ComputeQueue:
         self._seq = 0  # keeps arrival order within a priority
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="fusionp2p-exec")
         self._progress = asyncio.Condition()
-        self._held: list[Work] = []  # forwards waiting for their stage's 1F1B window
+        self._waiting: list[Work] = []  # forwards waiting for their stage's 1F1B window
 
     async def in_pool(self, fn: Callable[[], T]) -> T:
         """Runs ``fn`` on the compute thread."""
@@ -99,29 +99,29 @@ class ComputeQueue:
 
     def _take(self, work: Work, batch: list[Work]) -> None:
         if self._gated(work):
-            self._held.append(work)
-            work.job.held += 1
+            self._waiting.append(work)
+            work.job.gated += 1
         else:
             self._admitted(work)
             batch.append(work)
 
     def _released(self) -> list[Work]:
         """Held forwards their window now admits (or whose job ended: they run as no-ops)."""
-        out = [w for w in self._held if not self._gated(w)]
+        out = [w for w in self._waiting if not self._gated(w)]
         if out:
-            self._held = [w for w in self._held if self._gated(w)]
+            self._waiting = [w for w in self._waiting if self._gated(w)]
             for work in out:
-                work.job.held -= 1
+                work.job.gated -= 1
                 self._admitted(work)
         return out
 
     def discard(self, job: Job) -> None:
         """Drops the forwards of ``job`` held for its window (the job ended: no backward
         will ever admit them), releasing their queue slots and inbound budget."""
-        mine = [w for w in self._held if w.job is job]
-        self._held = [w for w in self._held if w.job is not job]
+        mine = [w for w in self._waiting if w.job is job]
+        self._waiting = [w for w in self._waiting if w.job is not job]
         for work in mine:
-            job.held -= 1
+            job.gated -= 1
             self._finish(work)
 
     def _admitted(self, work: Work) -> None:

@@ -67,7 +67,7 @@ class Job:
     micro_batches_done: int = 0  # of this iteration, backward finished here (from the compute thread)
     state_missing: int = 0  # tensors of this stage its owner has not sent yet: it cannot run before
     queued: int = 0  # work items waiting or running
-    held: int = 0  # ... of them, forwards held aside for the stage's 1F1B window
+    gated: int = 0  # ... of them, forwards waiting for the stage's 1F1B window
     pending_sends: int = 0  # OpData handed to senders and not yet acknowledged
     busy: int = 0  # control requests being handled
     compute_s: float = 0.0  # compute-thread seconds spent on this iteration so far

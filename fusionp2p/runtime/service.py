@@ -454,6 +454,6 @@ class ExecutorService:
             now = time.monotonic()
             for job in list(self.jobs.values()):
                 idle = now - job.last_active
-                stuck = job.queued == job.held  # nothing runs; held forwards wait for a backward
+                stuck = job.queued == job.gated  # nothing runs; gated forwards wait for a backward
                 if job.owner != self.transport.peer_id and not job.busy and stuck and idle > limit:
                     await self._drop(job, f"nothing from its owner or neighbours for {idle:.0f} s")
