@@ -29,7 +29,7 @@ from fusionp2p.coordination.election import LeaseKeeper
 from fusionp2p.coordination.plan_check import check_planned_setup
 from fusionp2p.errors import FusionP2PError
 from fusionp2p.net.dht_node import start_dht
-from fusionp2p.net.directory import SwarmDirectory
+from fusionp2p.net.directory import SwarmDirectory, Unread
 from fusionp2p.net.identity import ensure_identity, load_signing_key
 from fusionp2p.net.limits import StreamGate
 from fusionp2p.net.probe import PROBE_PROTOCOL, LinkEstimator, probe_link, serve_probe
@@ -45,6 +45,7 @@ __all__ = ["Peer"]
 
 logger = logging.getLogger(__name__)
 
+_HINT_SOURCES = 2  # a probe round reads the links of this many of its fastest neighbours
 STALE_SOCKET_AGE_S = 60.0  # a dead hivemind socket at least this old is removed when a peer starts
 
 
@@ -267,8 +268,11 @@ class Peer:
         peers = await self.directory.fetch_peers()
         now = get_dht_time()
         self.estimator.forget(self.estimator.known_peers() - set(peers))
+        nearest = [p for p in self.estimator.fastest(_HINT_SOURCES) if p in peers]
+        around = await self.directory.fetch_links(nearest, unread=Unread())  # a missing one: fewer hints
+        hints = [lk.dst for lk in sorted(around, key=lambda lk: -lk.bandwidth_bytes_per_s)]
         measured = []
-        for dst in self.estimator.choose_targets(peers, now):
+        for dst in self.estimator.choose_targets(peers, now, hints):
             nbytes = self.estimator.next_probe_bytes(dst)
             try:
                 sample = await probe_link(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, NoReturn, TypeVar, get_type_hints
 
@@ -34,6 +34,7 @@ __all__ = [
     "ExecControl",
     "LeaseRecord",
     "LinkRecord",
+    "LinkSetRecord",
     "OpData",
     "PeerRecord",
     "PlanStageRecord",
@@ -43,9 +44,11 @@ __all__ = [
 ]
 
 MAX_RECORD_BYTES = 2048
-# A peer's links key holds at most this many LinkRecords (one per destination, ~300 B with
-# its signed subkey): < 20 KiB, whatever the swarm's size (net/directory.py).
+# A peer's links key holds at most this many links, packed LINKS_PER_SET to a signed
+# LinkSetRecord (<= 1.4 KiB, ~2.2 KiB with its 2048-bit owner marker and signature): 4 sets,
+# < 10 KiB per key whatever the swarm's size (net/directory.py), one signature per 16 links.
 MAX_LINKS_PER_PEER = 64
+LINKS_PER_SET = 16
 PEER_STATES = ("joining", "idle", "training", "leaving")
 _MAX_LIST = 16
 _MAX_STRS = 64  # a list of strings: multiaddrs, the consumer nodes of an OpData
@@ -281,6 +284,72 @@ class LinkRecord(_WireRecord):
 
 
 @dataclass(frozen=True)
+class LinkSetRecord(_WireRecord):
+    """Up to ``LINKS_PER_SET`` links measured by one peer, as they live in the DHT: part
+    ``part`` of its links key (one signature and one validation per set, not per link)."""
+
+    KIND: ClassVar[str] = "linkset"
+    VERSION: ClassVar[int] = 1
+
+    src: str  # the measuring peer; must match the signer
+    part: int  # 0 .. MAX_LINKS_PER_PEER // LINKS_PER_SET - 1
+    dst: tuple[str, ...]
+    bandwidth_bytes_per_s: tuple[float, ...]
+    rtt_s: tuple[float, ...]
+    measured_at: tuple[float, ...]
+    samples: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.dst)
+        if not 0 <= self.part < MAX_LINKS_PER_PEER // LINKS_PER_SET:
+            raise RecordError(
+                f"LinkSetRecord.part must be in [0, {MAX_LINKS_PER_PEER // LINKS_PER_SET}), got {self.part}"
+            )
+        if n > LINKS_PER_SET or any(
+            len(v) != n for v in (self.bandwidth_bytes_per_s, self.rtt_s, self.measured_at, self.samples)
+        ):
+            raise RecordError(f"LinkSetRecord needs <= {LINKS_PER_SET} links with every field of each")
+        if len(set(self.dst)) != n:
+            raise RecordError("LinkSetRecord names a destination twice")
+        self.links()  # each link must be a valid LinkRecord
+
+    def links(self) -> list[LinkRecord]:
+        """The links this set holds."""
+        return [
+            LinkRecord(self.src, dst, bw, rtt, at, samples)
+            for dst, bw, rtt, at, samples in zip(
+                self.dst, self.bandwidth_bytes_per_s, self.rtt_s, self.measured_at, self.samples, strict=True
+            )
+        ]
+
+    @classmethod
+    def pack(cls, links: Sequence[LinkRecord]) -> list[LinkSetRecord]:
+        """``links`` of one source (at most ``MAX_LINKS_PER_PEER``) as sets, parts 0, 1, ...
+
+        Raises:
+            RecordError: too many links, or links of more than one source.
+        """
+        if len(links) > MAX_LINKS_PER_PEER or len({lk.src for lk in links}) > 1:
+            raise RecordError(
+                f"a peer publishes at most {MAX_LINKS_PER_PEER} links of its own, got {len(links)} "
+                f"from {len({lk.src for lk in links})} source(s)"
+            )
+        return [
+            cls(
+                src=links[0].src,
+                part=i // LINKS_PER_SET,
+                dst=tuple(lk.dst for lk in chunk),
+                bandwidth_bytes_per_s=tuple(lk.bandwidth_bytes_per_s for lk in chunk),
+                rtt_s=tuple(lk.rtt_s for lk in chunk),
+                measured_at=tuple(lk.measured_at for lk in chunk),
+                samples=tuple(lk.samples for lk in chunk),
+            )
+            for i in range(0, len(links), LINKS_PER_SET)
+            for chunk in [links[i : i + LINKS_PER_SET]]
+        ]
+
+
+@dataclass(frozen=True)
 class LeaseRecord(_WireRecord):
     """A claim on the swarm's coordinator lease (``coordination/election.py``)."""
 
@@ -482,6 +551,7 @@ _KINDS: dict[str, type[_WireRecord]] = {
     for cls in (
         PeerRecord,
         LinkRecord,
+        LinkSetRecord,
         LeaseRecord,
         RunStatusRecord,
         PlanStageRecord,
@@ -497,6 +567,7 @@ def decode_record(
 ) -> (
     PeerRecord
     | LinkRecord
+    | LinkSetRecord
     | LeaseRecord
     | RunStatusRecord
     | PlanStageRecord

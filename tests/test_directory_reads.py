@@ -6,6 +6,7 @@ round trips are in tests/test_directory.py and the swarm integration tests."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -21,7 +22,8 @@ from fusionp2p.net.directory import (
     SwarmDirectory,
     Unread,
 )
-from fusionp2p.records import MAX_LINKS_PER_PEER, LinkRecord, PeerRecord
+from fusionp2p.net.directory_view import DirectoryView
+from fusionp2p.records import LINKS_PER_SET, MAX_LINKS_PER_PEER, LinkRecord, LinkSetRecord, PeerRecord
 
 SRC = "Qm" + "s" * 44
 
@@ -37,8 +39,8 @@ def _link(i: int) -> LinkRecord:
 class _FakeDHT:
     """Answers gets from ``values`` (key -> {subkey: bytes}); keys in ``stuck`` never answer."""
 
-    def __init__(self, values: dict[str, dict[bytes, bytes]], stuck: set[str] = frozenset()) -> None:
-        self.values, self.stuck, self.gets, self.stores = values, stuck, [], 0
+    def __init__(self, values: dict[str, dict[bytes, bytes]], stuck: set[str] | None = None) -> None:
+        self.values, self.stuck, self.gets, self.stores = values, set(stuck or ()), [], 0
         self.in_flight = self.most_in_flight = 0
 
     def get(self, key: str, latest: bool, return_future: bool) -> Any:
@@ -103,8 +105,11 @@ def test_the_directory_refuses_to_grow_a_links_key_past_its_bound() -> None:
         asyncio.run(directory.publish_links([_link(i) for i in range(MAX_LINKS_PER_PEER + 1)], 1e12))
     assert dht.stores == 0
     assert asyncio.run(directory.publish_links([_link(i) for i in range(MAX_LINKS_PER_PEER)], 1e12)) == 64
+    assert dht.stores == MAX_LINKS_PER_PEER // LINKS_PER_SET  # one signed store per 16 links
+    assert len(asyncio.run(directory.fetch_links([SRC]))) == MAX_LINKS_PER_PEER
     # a key that grew anyway (a forged or old writer): readers take no more than the bound
-    crowded = {"t.links." + SRC: {f"d{i}".encode(): _link(i).to_wire() for i in range(100)}}
+    sets = [LinkSetRecord.pack([_link(16 * k + i) for i in range(16)])[0] for k in range(6)]
+    crowded = {"t.links." + SRC: {f"set{k}x".encode(): ls.to_wire() for k, ls in enumerate(sets)}}
     links = asyncio.run(_directory(_FakeDHT(crowded)).fetch_links([SRC]))
     assert len(links) == MAX_LINKS_PER_PEER
 
@@ -138,6 +143,50 @@ def test_peer_shards_split_as_the_swarm_grows_and_no_key_passes_its_bound() -> N
 
 def test_a_wide_read_keeps_a_bounded_number_of_gets_in_flight() -> None:
     sources = [f"Qm{i:044d}" for i in range(300)]
-    dht = _FakeDHT({f"t.links.{s}": {b"d": _link(1).to_wire()} for s in sources})
+    one = LinkSetRecord.pack([_link(10**6)])[0]
+    dht = _FakeDHT({f"t.links.{s}": {b"set0": replace(one, src=s).to_wire()} for s in sources})
     asyncio.run(_directory(dht).fetch_links(sources))
     assert len(dht.gets) == 300 and dht.most_in_flight == MAX_CONCURRENT_GETS
+
+
+def _swarm_values(n: int) -> tuple[SwarmDirectory, dict[str, dict[bytes, bytes]], list[PeerRecord]]:
+    peers = [_peer(i) for i in range(n)]
+    probe = _directory(_FakeDHT({}))
+    values: dict[str, dict[bytes, bytes]] = {}
+    for i, p in enumerate(peers):
+        values.setdefault(probe.peer_key(p.peer_id), {})[p.peer_id.encode()] = p.to_wire()
+        dst = peers[(i + 1) % n].peer_id
+        link = LinkRecord(src=p.peer_id, dst=dst, bandwidth_bytes_per_s=1e6, rtt_s=0.01, measured_at=0.0)
+        values[probe.links_key(p.peer_id)] = {b"set0": LinkSetRecord.pack([link])[0].to_wire()}
+    return probe, values, peers
+
+
+def test_a_view_reads_only_what_fell_due_and_says_what_it_lacks() -> None:
+    _, values, peers = _swarm_values(100)
+    dht = _FakeDHT(values)
+    view = DirectoryView(_directory(dht), links_max_age=0.3, max_link_reads=60)
+
+    async def scenario() -> None:
+        first = await view.refresh()
+        assert (first.peers, first.link_reads, first.without_links, first.complete) == (100, 60, 40, False)
+        second = await view.refresh()
+        assert (second.link_reads, second.without_links, second.complete) == (40, 0, True)
+        assert len(view.links()) == 100
+        dht.gets.clear()
+        third = await view.refresh()  # nothing fell due: the shards only
+        assert third.link_reads == 0 and all(".links." not in key for key in dht.gets)
+        await asyncio.sleep(0.35)
+        assert (await view.refresh()).link_reads == 60  # stalest first, bounded per refresh
+        gone = peers[0].peer_id
+        del values[_directory(dht).peer_key(gone)][gone.encode()]
+        dht.stuck.add(_directory(dht).links_key(peers[1].peer_id))
+        view.max_link_reads = 200
+        await asyncio.sleep(0.35)  # every source due
+        unread = Unread()
+        fifth = await view.refresh(unread)
+        assert fifth.peers == 99 and gone not in view.peers()
+        assert all(gone not in (lk.src, lk.dst) for lk in view.links())
+        assert unread.keys == [_directory(dht).links_key(peers[1].peer_id)] and not fifth.complete
+        assert any(lk.src == peers[1].peer_id for lk in view.links())  # what it read before stays
+
+    asyncio.run(scenario())

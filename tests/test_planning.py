@@ -165,8 +165,9 @@ def test_topology_fills_reverse_and_unmeasured_links_and_refuses_a_disconnected_
     peers, links = _records(3, [(0, 1, 100.0), (1, 2, 50.0)])
     topo = Topology.from_records(peers, links)
     assert topo.bandwidth[1, 0] == 100.0  # from the reverse direction
-    assert topo.bandwidth[0, 2] == 50.0  # widest path 0-1-2, its narrowest hop
-    assert topo.latency[0, 2] == pytest.approx(0.02)
+    assert topo.bandwidth[0, 2] == 50.0  # inferred: capped by the fastest link into peer 2
+    assert topo.latency[0, 2] == pytest.approx(0.01)  # the median latency measured in the cluster
+    assert topo.measured[0, 1] and not topo.measured[0, 2]
     peers, links = _records(4, [(0, 1, 100.0), (2, 3, 100.0)])
     with pytest.raises(PlanningError, match="disconnected"):
         Topology.from_records(peers, links)

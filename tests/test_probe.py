@@ -6,7 +6,7 @@ import pytest
 from fusionp2p.config import ProbeConfig
 from fusionp2p.errors import PeerUnreachableError, ProtocolError
 from fusionp2p.net.framing import FrameKind
-from fusionp2p.net.probe import PROBE_PROTOCOL, LinkEstimator, LinkSample, probe_link, serve_probe
+from fusionp2p.net.probe import NEAR_LINKS, PROBE_PROTOCOL, LinkEstimator, LinkSample, probe_link, serve_probe
 from fusionp2p.net.transport import MemoryTransport, RateLimitedTransport
 from fusionp2p.records import MAX_LINKS_PER_PEER
 
@@ -106,10 +106,26 @@ def test_a_busy_peer_probes_less_often() -> None:
     assert est.probe_interval(busy=True) == 40.0
 
 
-def test_estimator_republishes_at_most_the_directory_s_bound_freshest_first() -> None:
+def test_estimator_keeps_its_fastest_links_and_a_rotating_sample_of_the_rest() -> None:
     est = LinkEstimator("QmA", ProbeConfig())
-    for i in range(MAX_LINKS_PER_PEER + 6):
-        est.update(f"Qm{i}", _sample(1e6), now=float(i))
+    for i in range(MAX_LINKS_PER_PEER + 6):  # peer i measured at time i, Qm0 the fastest
+        est.update(f"Qm{i}", _sample(1e9 / (i + 1)), now=float(i))
     records = est.records(now=100.0, max_age=1000.0)
     assert len(records) == MAX_LINKS_PER_PEER
-    assert {r.dst for r in records} == {f"Qm{i}" for i in range(6, MAX_LINKS_PER_PEER + 6)}
+    kept = {r.dst for r in records}
+    near = {f"Qm{i}" for i in range(NEAR_LINKS)}
+    newest = {f"Qm{i}" for i in range(MAX_LINKS_PER_PEER + 6 - (MAX_LINKS_PER_PEER - NEAR_LINKS), 70)}
+    assert kept == near | newest  # the slow ones measured longest ago are dropped
+    assert est.fastest(2) == ["Qm0", "Qm1"]
+
+
+def test_a_full_estimator_explores_hints_and_random_peers_and_re_measures_the_stalest() -> None:
+    est = LinkEstimator("QmA", ProbeConfig(fanout=3, period=10.0), rng=random.Random(1))
+    for i in range(MAX_LINKS_PER_PEER):
+        est.update(f"Qm{i}", _sample(1e6), now=float(i))
+    others = [f"QmNew{i}" for i in range(100)]
+    chosen = est.choose_targets([f"Qm{i}" for i in range(MAX_LINKS_PER_PEER)] + others, 100.0, ["QmNew7"])
+    assert chosen[0] == "QmNew7"  # one exploration slot, the hint first
+    assert chosen[1:] == ["Qm0", "Qm1"]  # then the stalest links
+    chosen = est.choose_targets(others, 100.0, [])
+    assert len(chosen) == 3 and set(chosen) <= set(others)  # nothing of its own is due: explore

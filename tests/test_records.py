@@ -1,10 +1,19 @@
 import math
+from dataclasses import replace
 
 import msgpack
 import pytest
 
 from fusionp2p.errors import RecordError
-from fusionp2p.records import MAX_RECORD_BYTES, LinkRecord, PeerRecord, decode_record
+from fusionp2p.records import (
+    LINKS_PER_SET,
+    MAX_LINKS_PER_PEER,
+    MAX_RECORD_BYTES,
+    LinkRecord,
+    LinkSetRecord,
+    PeerRecord,
+    decode_record,
+)
 
 
 def make_peer(**overrides) -> PeerRecord:
@@ -92,3 +101,31 @@ def test_link_record_ranges() -> None:
         LinkRecord(src="QmA", dst="QmA", bandwidth_bytes_per_s=1.0, rtt_s=0.0, measured_at=0.0)
     with pytest.raises(RecordError, match="bandwidth"):
         LinkRecord(src="QmA", dst="QmB", bandwidth_bytes_per_s=0.0, rtt_s=0.0, measured_at=0.0)
+
+
+def test_links_travel_the_dht_in_signed_sets_of_sixteen() -> None:
+    links = [
+        LinkRecord(
+            src="Qm" + "a" * 44,
+            dst=f"Qm{i:044d}",
+            bandwidth_bytes_per_s=1e6 + i / 3,
+            rtt_s=0.01 / 3,
+            measured_at=1e9 / 7,
+            samples=10**6,
+        )
+        for i in range(MAX_LINKS_PER_PEER)
+    ]
+    sets = LinkSetRecord.pack(links)
+    assert [s.part for s in sets] == [0, 1, 2, 3] and all(len(s.dst) == LINKS_PER_SET for s in sets)
+    assert [lk for s in sets for lk in LinkSetRecord.from_wire(s.to_wire()).links()] == links
+    assert max(len(s.to_wire()) for s in sets) <= MAX_RECORD_BYTES
+    with pytest.raises(RecordError, match="at most 64 links"):
+        LinkSetRecord.pack([*links, replace(links[0], dst="QmZ")])
+    with pytest.raises(RecordError, match="source"):
+        LinkSetRecord.pack([links[0], replace(links[1], src="QmC")])
+    with pytest.raises(RecordError, match="twice"):
+        replace(sets[0], dst=(links[0].dst,) * 16)
+    with pytest.raises(RecordError, match="every field"):
+        replace(sets[0], rtt_s=sets[0].rtt_s[:3])
+    with pytest.raises(RecordError, match="part"):
+        replace(sets[0], part=4)

@@ -12,7 +12,7 @@ from hivemind.utils import get_dht_time
 from fusionp2p.errors import RecordError
 from fusionp2p.net.identity import ensure_identity, load_signing_key
 from fusionp2p.net.validation import make_validators
-from fusionp2p.records import LinkRecord, PeerRecord, RunStatusRecord, TopKHeader
+from fusionp2p.records import LinkRecord, LinkSetRecord, PeerRecord, RunStatusRecord, TopKHeader
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,12 @@ def test_accepts_a_peers_own_records(keys) -> None:
     peer = _signed(alice_key, _marker(alice_key), _peer_record(alice).to_wire())
     link = LinkRecord(src=alice, dst=mallory, bandwidth_bytes_per_s=1e6, rtt_s=0.1, measured_at=1.0)
     assert _validator().validate(peer)
-    assert _validator().validate(_signed(alice_key, _marker(alice_key), link.to_wire()))
+    assert _validator().validate(
+        _signed(alice_key, _marker(alice_key), LinkSetRecord.pack([link])[0].to_wire())
+    )
+    assert not _validator().validate(
+        _signed(alice_key, _marker(alice_key), link.to_wire())
+    )  # links go in sets
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ wait their turn, the rest are refused.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import replace
 
@@ -27,8 +28,9 @@ from fusionp2p.coordination.protocol import (
     JobRequest,
 )
 from fusionp2p.data_owner import plan_job
-from fusionp2p.errors import ConfigError, LimitError, ProtocolError, RecordError
+from fusionp2p.errors import ConfigError, FusionP2PError, LimitError, ProtocolError, RecordError
 from fusionp2p.net.directory import SwarmDirectory, Unread
+from fusionp2p.net.directory_view import DirectoryView
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.limits import StreamGate
 from fusionp2p.net.transport import FrameStream, Transport
@@ -36,6 +38,7 @@ from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.trace import trace_spec
 from fusionp2p.planning import CostConfig, PlanningError, Topology
 from fusionp2p.planning.fit import explain_no_fit
+from fusionp2p.planning.topology import connected_to
 from fusionp2p.records import PeerRecord
 from fusionp2p.training.job_spec import compression_policy
 
@@ -46,6 +49,7 @@ logger = logging.getLogger(__name__)
 MAX_PLAN_PEERS = 16
 PLAN_TTL = 3600.0  # a plan's records live this long in the DHT
 _MAX_WAITING = 4
+VIEW_PERIOD = 5.0  # seconds between refreshes of the lease holder's view of the swarm
 
 
 def _scaled(peer: PeerRecord, speeds: dict[str, float]) -> PeerRecord:
@@ -71,19 +75,38 @@ class Coordinator:
     ) -> None:
         self.transport = transport
         self.directory = directory
+        self.view = DirectoryView(directory)
         self.keeper = keeper
         self.registry = registry
         self.timeout = timeout
         self._gate = gate
         self._lock = asyncio.Lock()
         self._waiting = 0
+        self._viewing: asyncio.Task[None] | None = None
 
     async def start(self) -> Coordinator:
         await self.transport.serve(COORD_PROTOCOL, self._serve, gate=self._gate)
+        self._viewing = asyncio.create_task(self._keep_view(), name="coordinator-view")
         return self
 
     async def aclose(self) -> None:
+        if self._viewing is not None:
+            self._viewing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._viewing
         await self.transport.stop_serving(COORD_PROTOCOL)
+
+    async def _keep_view(self) -> None:
+        """While this peer holds the lease, keeps its view of the swarm fresh, a few link
+        reads at a time, so planning reads only what fell due since."""
+        while True:
+            await asyncio.sleep(VIEW_PERIOD)
+            if not self.keeper.holds():
+                continue
+            try:
+                await self.view.refresh(Unread())
+            except (FusionP2PError, asyncio.TimeoutError, OSError) as e:
+                logger.warning("refreshing the coordinator's view failed, will retry: %s", e)
 
     async def _serve(self, stream: FrameStream) -> None:
         kind, body = await stream.recv(max_payload=MAX_REQUEST_BYTES, timeout=self.timeout)
@@ -134,25 +157,33 @@ class Coordinator:
         owner = request.owner.peer_id
         traced = await asyncio.to_thread(trace_spec, request.spec, self.registry, fake=True)
         unread = Unread()  # directory keys it plans without: the reply says so
-        live = await self.directory.fetch_peers(unread=unread)
+        view = await self.view.refresh(unread)
+        live = self.view.peers()
         reusable = await self._reusable_job(request)
         excluded = set(request.exclude) | {owner}
+        measured = [*self.view.links(), *request.owner_links]
+        reached = connected_to(owner, measured)  # a peer nobody measured yet cannot be placed
         idle = [
             _scaled(p, dict(request.speeds))
             for pid, p in live.items()
-            if pid not in excluded and (p.state == "idle" or (reusable and p.job == reusable))
+            if pid not in excluded
+            and pid in reached
+            and (p.state == "idle" or (reusable and p.job == reusable))
         ]
         idle = sorted(idle, key=lambda p: (-p.fp32_flops, p.peer_id))[:MAX_PLAN_PEERS]
         if not idle:
-            raise PlanningError(f"no idle peer to run job {request.job} on ({len(live)} live, all busy)")
-        chosen = {p.peer_id for p in idle}
-        links = [
-            lk for lk in await self.directory.fetch_links(sorted(chosen), unread=unread) if lk.dst in chosen
-        ]
-        owner_links = [lk for lk in request.owner_links if lk.dst in chosen]
+            raise PlanningError(
+                f"no idle peer to run job {request.job} on ({len(live)} live, all busy or not yet measured)"
+            )
+        # infer unmeasured pairs from every measured link, then plan on the chosen peers only
+        everyone = {**{pid: p for pid, p in live.items() if pid in reached}, owner: request.owner}
+        swarm = await asyncio.to_thread(
+            Topology.from_records, list(everyone.values()), [lk for lk in measured if lk.src in everyone]
+        )
         peers = (*idle, request.owner)
-        all_links = (*links, *owner_links)
-        topo = Topology.from_records(peers, all_links)
+        chosen = swarm.subset(sorted(p.peer_id for p in peers))
+        all_links = tuple(chosen.link_records(get_dht_time()))
+        topo = Topology.from_records(peers, all_links)  # what the data owner rebuilds from the reply
         cost = CostConfig(
             n_micro_batches=request.n_micro_batches,
             compression=compression_policy(request.compression, request.max_ratio),
@@ -189,6 +220,17 @@ class Coordinator:
             len(idle),
             plan.iteration_s,
             f", without {len(unread.keys)} unreadable directory key(s)" if unread.keys else "",
+        )
+        logger.info(
+            "view of the swarm: %d live peers, %d measured links (%d sources read now, %d peers without "
+            "links read, oldest read %.0f s ago), %d reachable, read in %.2f s",
+            view.peers,
+            view.links,
+            view.link_reads,
+            view.without_links,
+            view.oldest_read_s,
+            len(reached),
+            view.seconds,
         )
         return JobReply(
             job=request.job,

@@ -4,7 +4,7 @@ Layout (every value is one small signed record; DESIGN.md explains why values st
 
     {swarm}.peers.{shard}   subkey  b"{peer_id}" + owner marker  ->  PeerRecord (level 0)
     {swarm}.peers.{L}.{shard}        the same, at level L >= 1 (16 << L shards)
-    {swarm}.links.{src}     subkey  b"{dst}" + owner marker      ->  LinkRecord (src -> dst)
+    {swarm}.links.{src}     subkey  b"set{part}" + owner marker  ->  LinkSetRecord (<= 16 links of src)
     {swarm}.coordinator     subkey  b"{holder}" + owner marker   ->  LeaseRecord (a claim on the lease)
     {swarm}.plans           subkey  b"{job}.{epoch}.{stage}" + marker  ->  PlanStageRecord
     {swarm}.runs            subkey  b"{run}" + owner marker      ->  RunStatusRecord (its data owner's report)
@@ -17,8 +17,8 @@ about ``MAX_PEERS_PER_SHARD`` records (plus peers that joined at the same moment
 swarm size, and a read of N peers costs about ``2 N / MAX_PEERS_PER_SHARD`` gets. A peer
 re-walks from level 0 at every heartbeat, so it moves up when its shard empties; until
 then (one heartbeat) readers may miss it. A links key holds at most
-``records.MAX_LINKS_PER_PEER`` entries (its peer publishes no more, readers take no
-more); each link subkey expires on its own. A record only counts while it is unexpired,
+``records.MAX_LINKS_PER_PEER`` links in 4 signed sets of 16 (its peer publishes no more,
+readers take no more); each set expires on its own. A record only counts while it is unexpired,
 so a peer that dies without leaving disappears within its record TTL.
 
 A read never returns less silently, and never floods the DHT: at most
@@ -44,9 +44,11 @@ from hivemind.utils import get_dht_time
 
 from fusionp2p.errors import IncompleteReadError, RecordError, SwarmError
 from fusionp2p.records import (
+    LINKS_PER_SET,
     MAX_LINKS_PER_PEER,
     LeaseRecord,
     LinkRecord,
+    LinkSetRecord,
     PeerRecord,
     PlanStageRecord,
     RunStatusRecord,
@@ -68,6 +70,7 @@ PEER_SHARDS = 16  # shards at level 0
 MAX_PEERS_PER_SHARD = 32  # a full shard (~1.5 KiB per record in the DHT: < 64 KiB per key)
 MAX_PEER_LEVEL = 8  # 4096 shards at the deepest level: ~130,000 peers
 MAX_CONCURRENT_GETS = 32  # a read of many keys queues here instead of flooding the DHT process
+_MAX_SETS = MAX_LINKS_PER_PEER // LINKS_PER_SET
 MAX_STORE_BYTES = 3000  # key + subkey + value; pickled with its MPFuture (~1.1 KiB more) < 4 KiB
 
 
@@ -178,22 +181,20 @@ class SwarmDirectory:
         """
         if not self.owner_marker:
             raise SwarmError("this directory has no signing key; it can only read")
-        records = list(records)
-        if len(records) > MAX_LINKS_PER_PEER or len({r.src for r in records}) > 1:
-            raise RecordError(
-                f"a peer publishes at most {MAX_LINKS_PER_PEER} links of its own, got {len(records)} "
-                f"from {len({r.src for r in records})} source(s)"
-            )
+        sets = LinkSetRecord.pack(list(records))
         results = await asyncio.gather(
             *(
                 self._store(
-                    self.links_key(r.src), r.dst.encode() + self.owner_marker, r.to_wire(), expiration
+                    self.links_key(ls.src),
+                    f"set{ls.part}".encode() + self.owner_marker,
+                    ls.to_wire(),
+                    expiration,
                 )
-                for r in records
+                for ls in sets
             ),
             return_exceptions=True,
         )
-        return sum(1 for ok in results if ok is True)
+        return sum(len(ls.dst) for ls, ok in zip(sets, results, strict=True) if ok is True)
 
     async def _get_dict(self, key: str, unread: Unread | None = None) -> dict[bytes, bytes]:
         """The unexpired subkeys of ``key``; one retry after a timeout, then ``{}`` with the
@@ -283,26 +284,48 @@ class SwarmDirectory:
         Raises:
             IncompleteReadError: a source's key could not be read and no ``unread`` takes it.
         """
+        by_source = await self.fetch_links_by_source(sources, unread=unread)
+        return [link for src in sources for link in by_source.get(src, [])]
+
+    async def fetch_links_by_source(
+        self, sources: Sequence[str], *, unread: Unread | None = None
+    ) -> dict[str, list[LinkRecord]]:
+        """``fetch_links`` per source: the sources read, each with its links (maybe none).
+        A source whose key could not be read is absent (and named in ``unread``).
+
+        Raises:
+            IncompleteReadError: a source's key could not be read and no ``unread`` takes it.
+        """
         missing = Unread()
-        per_source = await asyncio.gather(*(self._get_dict(self.links_key(src), missing) for src in sources))
+        keys = [self.links_key(src) for src in sources]
+        per_source = await asyncio.gather(*(self._get_dict(key, missing) for key in keys))
         missing.check(unread)
-        links: list[LinkRecord] = []
-        for src, values in zip(sources, per_source, strict=True):
-            if len(values) > MAX_LINKS_PER_PEER:
+        lost = set(missing.keys)
+        links: dict[str, list[LinkRecord]] = {}
+        for src, key, values in zip(sources, keys, per_source, strict=True):
+            if key in lost:
+                continue
+            if len(values) > _MAX_SETS:
                 logger.warning(
-                    "protocol error: %s holds %d links > %d; reading the first",
+                    "protocol error: %s's links key holds %d sets > %d; reading the first",
                     src,
                     len(values),
-                    MAX_LINKS_PER_PEER,
+                    _MAX_SETS,
                 )
-            for data in list(values.values())[:MAX_LINKS_PER_PEER]:
+            freshest: dict[str, LinkRecord] = {}
+            for data in list(values.values())[:_MAX_SETS]:
                 try:
-                    record = LinkRecord.from_wire(data)
+                    found = LinkSetRecord.from_wire(data)
                 except RecordError as e:
-                    logger.warning("protocol error: skipped a malformed LinkRecord: %s", e)
+                    logger.warning("protocol error: skipped a malformed LinkSetRecord: %s", e)
                     continue
-                if record.src == src:
-                    links.append(record)
+                if found.src != src:
+                    continue
+                for link in found.links():  # an old set may repeat a destination: keep the newest
+                    known = freshest.get(link.dst)
+                    if known is None or link.measured_at > known.measured_at:
+                        freshest[link.dst] = link
+            links[src] = list(freshest.values())[:MAX_LINKS_PER_PEER]
         return links
 
     def _signed(self) -> bytes:

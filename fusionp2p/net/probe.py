@@ -7,8 +7,15 @@ Protocol ``fusionp2p.probe.v1`` on one stream, prober -> server:
 
 The server refuses frames over ``max_bytes`` in total or of an unexpected kind with a
 protocol error. ``LinkEstimator`` smooths samples (EWMA), sizes the next probe of each
-link to take about ``target_seconds``, and picks the bounded sample of peers to probe
-next (links never measured, then the stalest).
+link to take about ``target_seconds``, and picks the bounded sample of peers to probe next.
+
+What a peer measures stays bounded at any swarm size: at most ``MAX_LINKS_PER_PEER`` links,
+the ``NEAR_LINKS`` fastest (its own cluster, densely) and the most recently measured of
+the rest (a random sample that rotates: representatives of the other clusters). Once it
+holds that many, each round re-measures its stalest links and explores one or two peers it
+never measured, half of them hints (peers its fastest neighbours measured fast, likely in
+its cluster), half at random; a faster newcomer displaces the slowest near link, any other
+the oldest sample. The coordinator infers the pairs nobody measured (``planning.infer``).
 """
 
 from __future__ import annotations
@@ -27,12 +34,13 @@ from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.transport import FrameStream, Transport
 from fusionp2p.records import MAX_LINKS_PER_PEER, LinkRecord
 
-__all__ = ["PROBE_PROTOCOL", "LinkEstimator", "LinkSample", "probe_link", "serve_probe"]
+__all__ = ["NEAR_LINKS", "PROBE_PROTOCOL", "LinkEstimator", "LinkSample", "probe_link", "serve_probe"]
 
 PROBE_PROTOCOL = "fusionp2p.probe.v1"
 _DATA_FRAME = 256 << 10
 _MAX_PING_PAYLOAD = 64
 _U64 = struct.Struct("!Q")
+NEAR_LINKS = 40  # of a peer's MAX_LINKS_PER_PEER links, this many are its fastest
 
 
 @dataclass(frozen=True)
@@ -144,7 +152,22 @@ class LinkEstimator:
                 state.samples + 1,
             )
         self._links[dst] = state
+        self._bound()
         return self._record(dst, state)
+
+    def _bound(self) -> None:
+        """Keeps the ``NEAR_LINKS`` fastest links and the most recent of the rest."""
+        if len(self._links) <= MAX_LINKS_PER_PEER:
+            return
+        by_speed = sorted(self._links, key=lambda d: (-self._links[d].bandwidth_bytes_per_s, d))
+        near = by_speed[:NEAR_LINKS]
+        rest = sorted(by_speed[NEAR_LINKS:], key=lambda d: (-self._links[d].measured_at, d))
+        keep = set(near) | set(rest[: MAX_LINKS_PER_PEER - NEAR_LINKS])
+        self._links = {d: s for d, s in self._links.items() if d in keep}
+
+    def fastest(self, count: int) -> list[str]:
+        """The ``count`` peers this peer measured fastest links to."""
+        return sorted(self._links, key=lambda d: (-self._links[d].bandwidth_bytes_per_s, d))[:count]
 
     def _record(self, dst: str, state: _LinkState) -> LinkRecord:
         return LinkRecord(
@@ -184,14 +207,30 @@ class LinkEstimator:
         """Seconds until the next probe round: longer while the peer is busy training."""
         return self.config.period * (self.config.busy_slowdown if busy else 1.0)
 
-    def choose_targets(self, candidates: Iterable[str], now: float) -> list[str]:
-        """Up to ``fanout`` peers to probe: never-measured first, then the stalest."""
-        pool = [c for c in candidates if c != self.src]
-        self._rng.shuffle(pool)
-        pool.sort(key=lambda p: self._links[p].measured_at if p in self._links else float("-inf"))
-        chosen = pool[: self.config.fanout]
-        return [
-            p
-            for p in chosen
-            if p not in self._links or now - self._links[p].measured_at >= self.config.period * 0.5
-        ]
+    def choose_targets(self, candidates: Iterable[str], now: float, hints: Iterable[str] = ()) -> list[str]:
+        """Up to ``fanout`` peers to probe. While it holds fewer than ``MAX_LINKS_PER_PEER``
+        links: peers never measured (``hints`` first, in their order). Then: about a third
+        of the round explores (alternating a hint and a random unmeasured peer), the rest
+        re-measures the stalest of its links (those measured at least half a period ago)."""
+        pool = [c for c in dict.fromkeys(candidates) if c != self.src]
+        wanted = self.config.fanout
+        unknown = [p for p in pool if p not in self._links]
+        fresh = set(unknown)
+        hinted = [h for h in dict.fromkeys(hints) if h in fresh]
+        unknown = self._rng.sample(unknown, min(len(unknown), 2 * wanted))
+        mixed = [p for pair in zip(hinted[:wanted], unknown[:wanted], strict=False) for p in pair]
+        explore = list(dict.fromkeys([*mixed, *hinted[:wanted], *unknown[: 2 * wanted]]))
+        filling = len(self._links) < MAX_LINKS_PER_PEER
+        room = wanted if filling else max(1, self.config.fanout // 3)
+        chosen = explore[:room]
+        due = sorted(
+            (
+                p
+                for p in pool
+                if p in self._links and now - self._links[p].measured_at >= self.config.period * 0.5
+            ),
+            key=lambda p: self._links[p].measured_at,
+        )
+        chosen += due[: self.config.fanout - len(chosen)]
+        chosen += [p for p in explore if p not in chosen][: self.config.fanout - len(chosen)]
+        return chosen

@@ -27,7 +27,7 @@ from fusionp2p.net.limits import RejectionLog
 from fusionp2p.records import (
     MAX_RECORD_BYTES,
     LeaseRecord,
-    LinkRecord,
+    LinkSetRecord,
     PeerRecord,
     PlanStageRecord,
     RunStatusRecord,
@@ -64,7 +64,7 @@ def _speaker(record: object) -> str | None:
     """The peer a DHT record speaks for, who alone may sign it (None: not a DHT record)."""
     if isinstance(record, PeerRecord):
         return record.peer_id
-    if isinstance(record, LinkRecord):
+    if isinstance(record, LinkSetRecord):
         return record.src
     if isinstance(record, PlanStageRecord):
         return record.made_by

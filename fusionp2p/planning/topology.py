@@ -1,24 +1,24 @@
 """The swarm as the planner sees it: arrays of peer speed, memory, link bandwidth and latency.
 
 Built from PeerRecords and LinkRecords. A direction measured only the other way is taken
-from its reverse; a pair never measured gets its widest-path estimate through measured
-links (bandwidth = the narrowest hop of the widest path, latency = the path's sum), since
-peers of one swarm can usually dial each other. A swarm whose measured links do not
-connect every peer is refused: nothing tells how those parts talk.
+from its reverse; a pair never measured (on a large swarm, most pairs: each peer probes a
+bounded set) is inferred from the measured ones by ``planning.infer``: the two clusters'
+typical bandwidth, capped by the fastest link either peer was measured on. A swarm whose
+measured links do not connect every peer is refused: nothing tells how those parts talk.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from fusionp2p.errors import FusionP2PError
+from fusionp2p.planning.infer import infer_unmeasured
 from fusionp2p.records import LinkRecord, PeerRecord
 
-__all__ = ["PlanningError", "Topology"]
+__all__ = ["PlanningError", "Topology", "connected_to"]
 
 
 class PlanningError(FusionP2PError, ValueError):
@@ -89,7 +89,7 @@ class Topology:
         measured = ~np.isnan(bw)
         np.fill_diagonal(measured, False)
         _check_connected(ids, measured)
-        bw, lat = _widest_paths(bw, lat)
+        bw, lat = infer_unmeasured(bw, lat)
         speed = np.array([by_id[i].fp32_flops for i in ids])
         memory = np.array([float(by_id[i].memory_bytes) for i in ids])
         topo = cls(ids, speed, memory, bw, lat, measured)
@@ -107,6 +107,37 @@ class Topology:
             self.latency[np.ix_(keep, keep)],
             self.measured[np.ix_(keep, keep)],
         )
+
+    def subset(self, peer_ids: Sequence[str]) -> Topology:
+        """The same measurements and inferences, for ``peer_ids`` only (in this order)."""
+        pos = {pid: i for i, pid in enumerate(self.peer_ids)}
+        keep = np.array([pos[pid] for pid in peer_ids], dtype=int)
+        return Topology(
+            tuple(peer_ids),
+            self.speed[keep],
+            self.memory[keep],
+            self.bandwidth[np.ix_(keep, keep)],
+            self.latency[np.ix_(keep, keep)],
+            self.measured[np.ix_(keep, keep)],
+        )
+
+    def link_records(self, measured_at: float) -> list[LinkRecord]:
+        """Every ordered pair as a LinkRecord (an inferred one has ``extra["inferred"] = 1``):
+        what ``from_records`` rebuilds this very topology from, with the peers' records."""
+        n = len(self.peer_ids)
+        return [
+            LinkRecord(
+                src=self.peer_ids[i],
+                dst=self.peer_ids[j],
+                bandwidth_bytes_per_s=float(self.bandwidth[i, j]),
+                rtt_s=float(2 * self.latency[i, j]),
+                measured_at=measured_at,
+                extra={} if self.measured[i, j] else {"inferred": 1.0},
+            )
+            for i in range(n)
+            for j in range(n)
+            if i != j
+        ]
 
     def validate(self) -> None:
         """Raises PlanningError on NaN, negative or zero measurements."""
@@ -146,18 +177,16 @@ def _check_connected(ids: tuple[str, ...], measured: np.ndarray) -> None:
         )
 
 
-def _widest_paths(bw: np.ndarray, lat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Fills unmeasured pairs with the widest path's bottleneck and latency (Floyd-Warshall)."""
-    n = len(bw)
-    width = np.where(np.isnan(bw), 0.0, bw)
-    delay = np.where(np.isnan(lat), math.inf, lat)
-    np.fill_diagonal(width, np.inf)
-    np.fill_diagonal(delay, 0.0)
-    if np.all(width > 0):
-        return width, delay
-    for k in range(n):
-        through = np.minimum(width[:, k : k + 1], width[k : k + 1, :])
-        better = through > width
-        width = np.where(better, through, width)
-        delay = np.where(better, delay[:, k : k + 1] + delay[k : k + 1, :], delay)
-    return width, delay
+def connected_to(root: str, links: Sequence[LinkRecord]) -> set[str]:
+    """The peers that measured links (either direction) join to ``root``, ``root`` included."""
+    adjacent: dict[str, set[str]] = {}
+    for link in links:
+        adjacent.setdefault(link.src, set()).add(link.dst)
+        adjacent.setdefault(link.dst, set()).add(link.src)
+    seen, stack = {root}, [root]
+    while stack:
+        for other in adjacent.get(stack.pop(), ()):
+            if other not in seen:
+                seen.add(other)
+                stack.append(other)
+    return seen

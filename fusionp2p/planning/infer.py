@@ -1,0 +1,97 @@
+"""The bandwidth and latency of pairs nobody measured, inferred from the pairs someone did.
+
+On a large swarm each peer probes a bounded set of links (its own cluster densely, a
+random sample of the rest: ``net.probe.LinkEstimator``), so most pairs are unmeasured.
+The model behind the inference: a link's bandwidth is the smaller of what the two
+clusters' networks carry between them and what the two peers' access links carry,
+
+    b(u, v) ~= min(pair(A, B), out(u), in(v))    u in cluster A, v in cluster B.
+
+Clusters are found on the measured graph (Leiden on measured pairs, weighted by the
+slower direction). ``pair(A, B)`` is the upper quartile of the measured A -> B links
+(peers behind a slow access link pull the median down; the upper quartile sees past
+them); a pair of clusters no link joins takes the widest path through the cluster graph.
+``out(u)`` / ``in(v)`` is the fastest link measured from u / into v. Latency is the
+median measured between the two clusters (path sums where none was). Measured pairs
+keep their measurement. ``benchmarks/scale_sim.py`` measures the error against a
+fully measured synthetic swarm.
+"""
+
+from __future__ import annotations
+
+import igraph as ig
+import leidenalg
+import numpy as np
+
+__all__ = ["infer_unmeasured", "measured_clusters"]
+
+
+def measured_clusters(bandwidth: np.ndarray, seed: int = 0) -> np.ndarray:
+    """A cluster label per peer, from the measured pairs (NaN = unmeasured) only."""
+    n = len(bandwidth)
+    known = ~np.isnan(bandwidth)
+    np.fill_diagonal(known, False)
+    src, dst = np.nonzero(known)
+    if len(src) == 0:
+        return np.arange(n)
+    pair = np.minimum(src, dst) * n + np.maximum(src, dst)  # one edge per pair: its slower direction
+    order = np.argsort(pair, kind="stable")
+    pair, values = pair[order], bandwidth[src[order], dst[order]]
+    starts = np.flatnonzero(np.r_[True, np.diff(pair) != 0])
+    edges, weights = pair[starts], np.minimum.reduceat(values, starts)
+    graph = ig.Graph(n=n, edges=np.column_stack(np.divmod(edges, n)).tolist())
+    graph.es["weight"] = (weights / weights.max()).tolist()
+    partition = leidenalg.find_partition(
+        graph, leidenalg.ModularityVertexPartition, weights="weight", seed=seed, n_iterations=-1
+    )
+    return np.asarray(partition.membership)
+
+
+def _widest(width: np.ndarray, delay: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Widest-path bottleneck (and that path's delay) between clusters; 0 where none."""
+    width, delay = width.copy(), delay.copy()
+    for k in range(len(width)):
+        through = np.minimum(width[:, k : k + 1], width[k : k + 1, :])
+        better = through > width
+        width = np.where(better, through, width)
+        delay = np.where(better, delay[:, k : k + 1] + delay[k : k + 1, :], delay)
+    return width, delay
+
+
+def infer_unmeasured(
+    bandwidth: np.ndarray, latency: np.ndarray, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(bandwidth, latency)`` with every NaN off the diagonal filled in (see the module).
+
+    Both arrays are (n, n) with NaN where unmeasured; a pair measured one way only should
+    already carry the reverse measurement. The diagonal comes back inf / 0. The measured
+    graph must be connected (``Topology.from_records`` checks).
+    """
+    n = len(bandwidth)
+    bw = np.array(bandwidth, dtype=float)
+    lat = np.array(latency, dtype=float)
+    np.fill_diagonal(bw, np.nan)
+    known = ~np.isnan(bw)
+    if known.sum() < n * (n - 1):
+        labels = measured_clusters(bw, seed)
+        k = int(labels.max()) + 1
+        pair, pair_lat = np.zeros((k, k)), np.full((k, k), np.inf)
+        src, dst = np.nonzero(known)
+        by_pair = labels[src] * k + labels[dst]
+        order = np.argsort(by_pair, kind="stable")
+        groups = np.split(order, np.flatnonzero(np.diff(by_pair[order])) + 1)
+        for group in groups:
+            a, b = divmod(int(by_pair[group[0]]), k)
+            pair[a, b] = np.percentile(bw[src[group], dst[group]], 75)
+            pair_lat[a, b] = np.median(lat[src[group], dst[group]])
+        np.fill_diagonal(pair_lat, np.where(np.diag(pair) > 0, np.diag(pair_lat), 0.0))
+        np.fill_diagonal(pair, np.where(np.diag(pair) > 0, np.diag(pair), np.inf))
+        pair, pair_lat = _widest(pair, pair_lat)
+        out_cap = np.nanmax(np.where(known, bw, -np.inf), axis=1)
+        in_cap = np.nanmax(np.where(known, bw, -np.inf), axis=0)
+        guess = np.minimum(pair[labels][:, labels], np.minimum(out_cap[:, None], in_cap[None, :]))
+        bw = np.where(known, bw, guess)
+        lat = np.where(known, lat, pair_lat[labels][:, labels])
+    np.fill_diagonal(bw, np.inf)
+    np.fill_diagonal(lat, 0.0)
+    return bw, lat
