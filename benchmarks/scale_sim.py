@@ -50,7 +50,7 @@ from fusionp2p.net.dht_node import start_dht
 from fusionp2p.net.directory import MAX_PEER_LEVEL, SwarmDirectory
 from fusionp2p.net.directory_view import DirectoryView
 from fusionp2p.net.identity import peer_id_from_public_key
-from fusionp2p.net.probe import NEAR_LINKS, LinkEstimator, LinkSample
+from fusionp2p.net.probe import HINT_SOURCES, NEAR_LINKS, LinkEstimator, LinkSample, hints_from
 from fusionp2p.net.validation import SwarmRecordValidator
 from fusionp2p.opdag import TransformerShape, transformer_dag
 from fusionp2p.planning import CompressionPolicy, CostConfig, Topology, op_fence
@@ -115,11 +115,14 @@ def simulate_probes(net: SyntheticNetwork, ids: list[str], rounds: int, seed: in
     config = ProbeConfig(period=1.0)
     estimators = [LinkEstimator(pid, config, rng=random.Random(seed + i)) for i, pid in enumerate(ids)]
     for now in range(rounds):
-        published = {e.src: e.records(float(now), max_age=float("inf")) for e in estimators}
+        published: dict[str, list[LinkRecord]] = {}  # what the directory holds this round
         for i, est in enumerate(estimators):
-            around = [lk for nb in est.fastest(2) for lk in published[nb]]
-            hints = [lk.dst for lk in sorted(around, key=lambda lk: -lk.bandwidth_bytes_per_s)]
-            for dst in est.choose_targets(ids, float(now), hints):
+            around = []
+            for nb in est.fastest(HINT_SOURCES):
+                if nb not in published:
+                    published[nb] = estimators[pos[nb]].records(float(now), max_age=float("inf"))
+                around += published[nb]
+            for dst in est.choose_targets(ids, float(now), hints_from(around)):
                 j = pos[dst]
                 sample = LinkSample(
                     float(net.bandwidth[i, j] * rng.uniform(0.9, 1.1)), float(2 * net.latency[i, j]), 1, 1.0
@@ -178,13 +181,8 @@ async def dht_phase(
     keys: list[RSAPrivateKey], peers: list[PeerRecord], links: list[LinkRecord], storage: list[hivemind.DHT]
 ) -> tuple[DhtResult, dict[str, PeerRecord], list[LinkRecord]]:
     maddrs = [str(a) for a in storage[0].get_visible_maddrs()]
-    publisher = hivemind.DHT(
-        initial_peers=maddrs,
-        start=True,
-        client_mode=True,
-        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-        record_validators=[ManyKeySigner(keys), SwarmRecordValidator()],
-        nat_port_map=False,
+    publisher = start_dht(
+        initial_peers=maddrs, client_mode=True, validators=[ManyKeySigner(keys), SwarmRecordValidator()]
     )
     reader = start_dht(initial_peers=maddrs, client_mode=True)
     try:

@@ -32,7 +32,14 @@ from fusionp2p.net.dht_node import start_dht
 from fusionp2p.net.directory import SwarmDirectory, Unread
 from fusionp2p.net.identity import ensure_identity, load_signing_key
 from fusionp2p.net.limits import StreamGate
-from fusionp2p.net.probe import PROBE_PROTOCOL, LinkEstimator, probe_link, serve_probe
+from fusionp2p.net.probe import (
+    HINT_SOURCES,
+    PROBE_PROTOCOL,
+    LinkEstimator,
+    hints_from,
+    probe_link,
+    serve_probe,
+)
 from fusionp2p.net.sockets import hivemind_sockets, remove_stale
 from fusionp2p.net.transport import P2PTransport, RateLimitedTransport, Transport
 from fusionp2p.opdag.families import ModelRegistry
@@ -45,7 +52,6 @@ __all__ = ["Peer"]
 
 logger = logging.getLogger(__name__)
 
-_HINT_SOURCES = 2  # a probe round reads the links of this many of its fastest neighbours
 STALE_SOCKET_AGE_S = 60.0  # a dead hivemind socket at least this old is removed when a peer starts
 
 
@@ -268,9 +274,9 @@ class Peer:
         peers = await self.directory.fetch_peers()
         now = get_dht_time()
         self.estimator.forget(self.estimator.known_peers() - set(peers))
-        nearest = [p for p in self.estimator.fastest(_HINT_SOURCES) if p in peers]
+        nearest = [p for p in self.estimator.fastest(HINT_SOURCES) if p in peers]
         around = await self.directory.fetch_links(nearest, unread=Unread())  # a missing one: fewer hints
-        hints = [lk.dst for lk in sorted(around, key=lambda lk: -lk.bandwidth_bytes_per_s)]
+        hints = hints_from(around)
         measured = []
         for dst in self.estimator.choose_targets(peers, now, hints):
             nbytes = self.estimator.next_probe_bytes(dst)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import hivemind
+from hivemind.dht.validation import RecordValidatorBase
 
 from fusionp2p.errors import SwarmError
 from fusionp2p.net.sockets import hivemind_sockets, remove_stale
@@ -58,10 +59,12 @@ def start_dht(
     signing_key: object | None = None,
     client_mode: bool = False,
     fresh_identity: bool = False,
+    validators: Sequence[RecordValidatorBase] | None = None,
 ) -> hivemind.DHT:
     """Starts a DHT node with fusionp2p's record validators and a parent watchdog.
     ``fresh_identity``: ``identity_path`` was just generated, so hivemind need not check
-    (with a second daemon) that no other peer uses it.
+    (with a second daemon) that no other peer uses it. ``validators`` replace fusionp2p's
+    (a simulator's publisher signs for many identities).
 
     Raises:
         SwarmError: p2pd could not start or no initial peer answered.
@@ -79,7 +82,7 @@ def start_dht(
             start=True,
             client_mode=client_mode,
             host_maddrs=list(host_maddrs),
-            record_validators=make_validators(signing_key),
+            record_validators=list(validators) if validators is not None else make_validators(signing_key),
             nat_port_map=False,  # no UPnP/NAT-PMP chatter with the LAN router
             **kwargs,
         )

@@ -34,13 +34,25 @@ from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.transport import FrameStream, Transport
 from fusionp2p.records import MAX_LINKS_PER_PEER, LinkRecord
 
-__all__ = ["NEAR_LINKS", "PROBE_PROTOCOL", "LinkEstimator", "LinkSample", "probe_link", "serve_probe"]
+__all__ = [
+    "HINT_SOURCES",
+    "NEAR_LINKS",
+    "PROBE_PROTOCOL",
+    "LinkEstimator",
+    "LinkSample",
+    "hints_from",
+    "probe_link",
+    "serve_probe",
+]
 
 PROBE_PROTOCOL = "fusionp2p.probe.v1"
 _DATA_FRAME = 256 << 10
 _MAX_PING_PAYLOAD = 64
 _U64 = struct.Struct("!Q")
 NEAR_LINKS = 40  # of a peer's MAX_LINKS_PER_PEER links, this many are its fastest
+_RTT_FLOOR = 100e-6  # seconds: a loopback or LAN pair counts as this near
+HINT_SHARE = 0.75  # of a full peer's explorations, this share follows hints
+HINT_SOURCES = 2  # hints: the links of this many of the peer's fastest neighbours
 
 
 @dataclass(frozen=True)
@@ -121,6 +133,13 @@ async def probe_link(
     return LinkSample(bandwidth_bytes_per_s=nbytes / transfer, rtt_s=rtt, nbytes=nbytes, seconds=seconds)
 
 
+def hints_from(links: Iterable[LinkRecord]) -> list[str]:
+    """Destinations of neighbours' links, nearest first (bandwidth over RTT): the peers a
+    probe round should try first, being likely in the neighbours' cluster."""
+    ranked = sorted(links, key=lambda lk: -lk.bandwidth_bytes_per_s / max(lk.rtt_s, _RTT_FLOOR))
+    return [lk.dst for lk in ranked]
+
+
 @dataclass
 class _LinkState:
     bandwidth_bytes_per_s: float
@@ -159,7 +178,7 @@ class LinkEstimator:
         """Keeps the ``NEAR_LINKS`` fastest links and the most recent of the rest."""
         if len(self._links) <= MAX_LINKS_PER_PEER:
             return
-        by_speed = sorted(self._links, key=lambda d: (-self._links[d].bandwidth_bytes_per_s, d))
+        by_speed = sorted(self._links, key=lambda d: (-self._tie(d), d))
         near = by_speed[:NEAR_LINKS]
         rest = sorted(by_speed[NEAR_LINKS:], key=lambda d: (-self._links[d].measured_at, d))
         keep = set(near) | set(rest[: MAX_LINKS_PER_PEER - NEAR_LINKS])
@@ -167,7 +186,13 @@ class LinkEstimator:
 
     def fastest(self, count: int) -> list[str]:
         """The ``count`` peers this peer measured fastest links to."""
-        return sorted(self._links, key=lambda d: (-self._links[d].bandwidth_bytes_per_s, d))[:count]
+        return sorted(self._links, key=lambda d: (-self._tie(d), d))[:count]
+
+    def _tie(self, dst: str) -> float:
+        """How close ``dst`` is: bandwidth over RTT (a fast, near peer is likely in this
+        peer's cluster; latency tells sites apart even behind a slow access link)."""
+        state = self._links[dst]
+        return state.bandwidth_bytes_per_s / max(state.rtt_s, _RTT_FLOOR)
 
     def _record(self, dst: str, state: _LinkState) -> LinkRecord:
         return LinkRecord(
@@ -209,20 +234,23 @@ class LinkEstimator:
 
     def choose_targets(self, candidates: Iterable[str], now: float, hints: Iterable[str] = ()) -> list[str]:
         """Up to ``fanout`` peers to probe. While it holds fewer than ``MAX_LINKS_PER_PEER``
-        links: peers never measured (``hints`` first, in their order). Then: about a third
-        of the round explores (alternating a hint and a random unmeasured peer), the rest
-        re-measures the stalest of its links (those measured at least half a period ago)."""
+        links: peers never measured, ``hints`` first (in their order) and one at random.
+        Then one exploration per round (a hint with probability ``HINT_SHARE``, else a
+        random peer), and the stalest of its links (measured at least half a period ago)."""
         pool = [c for c in dict.fromkeys(candidates) if c != self.src]
         wanted = self.config.fanout
         unknown = [p for p in pool if p not in self._links]
         fresh = set(unknown)
         hinted = [h for h in dict.fromkeys(hints) if h in fresh]
-        unknown = self._rng.sample(unknown, min(len(unknown), 2 * wanted))
-        mixed = [p for pair in zip(hinted[:wanted], unknown[:wanted], strict=False) for p in pair]
-        explore = list(dict.fromkeys([*mixed, *hinted[:wanted], *unknown[: 2 * wanted]]))
-        filling = len(self._links) < MAX_LINKS_PER_PEER
-        room = wanted if filling else max(1, self.config.fanout // 3)
-        chosen = explore[:room]
+        hinted_set = set(hinted)
+        unknown = [p for p in self._rng.sample(unknown, min(len(unknown), 2 * wanted)) if p not in hinted_set]
+        if len(self._links) < MAX_LINKS_PER_PEER:  # filling up: hints, and one random peer
+            chosen = [*hinted[: wanted - 1], *unknown][:wanted]
+        elif hinted and self._rng.random() < HINT_SHARE:
+            chosen = hinted[:1]
+        else:
+            chosen = unknown[:1]
+        explore = [*hinted, *unknown]
         due = sorted(
             (
                 p
