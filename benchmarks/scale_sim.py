@@ -46,6 +46,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from fusionp2p.config import ProbeConfig
+from fusionp2p.coordination.coordinator import MAX_PLAN_PEERS
 from fusionp2p.net.dht_node import start_dht
 from fusionp2p.net.directory import MAX_PEER_LEVEL, SwarmDirectory
 from fusionp2p.net.directory_view import DirectoryView
@@ -60,7 +61,6 @@ from fusionp2p.records import MAX_LINKS_PER_PEER, LinkRecord, PeerRecord
 
 GPT2_SMALL = TransformerShape("gpt2", 12, 768, 12, 50257, 1024, 3072, 12, True)
 COST = CostConfig(n_micro_batches=8, compression=CompressionPolicy(ratio=100.0))
-SWARM = "sim"
 TTL = 600.0
 PUBLISHERS = 16  # identities publishing at once (peers of a real swarm join over time)
 
@@ -181,6 +181,7 @@ async def dht_phase(
     keys: list[RSAPrivateKey], peers: list[PeerRecord], links: list[LinkRecord], storage: list[hivemind.DHT]
 ) -> tuple[DhtResult, dict[str, PeerRecord], list[LinkRecord]]:
     maddrs = [str(a) for a in storage[0].get_visible_maddrs()]
+    swarm = f"sim{len(peers)}"  # one swarm per size on the same DHT nodes
     publisher = start_dht(
         initial_peers=maddrs, client_mode=True, validators=[ManyKeySigner(keys), SwarmRecordValidator()]
     )
@@ -190,7 +191,7 @@ async def dht_phase(
             p.peer_id: RSASignatureValidator(k).local_public_key for p, k in zip(peers, keys, strict=True)
         }
         dirs = {
-            pid: SwarmDirectory(publisher, SWARM, owner_marker=m, timeout=60.0) for pid, m in markers.items()
+            pid: SwarmDirectory(publisher, swarm, owner_marker=m, timeout=60.0) for pid, m in markers.items()
         }
         expiration = get_dht_time() + TTL
         start = time.perf_counter()
@@ -203,12 +204,12 @@ async def dht_phase(
         await _store_all([dirs[src].publish_links(mine, expiration) for src, mine in by_src.items()])
         publish_links_s = time.perf_counter() - start
 
-        view = DirectoryView(SwarmDirectory(reader, SWARM, timeout=15.0), links_max_age=TTL)
+        view = DirectoryView(SwarmDirectory(reader, swarm, timeout=15.0), links_max_age=TTL)
         cold = await view.refresh()
         warm = await view.refresh()
         read_peers, read_links = view.peers(), view.links()
 
-        directory = SwarmDirectory(reader, SWARM)
+        directory = SwarmDirectory(reader, swarm)
         key_names = {directory.links_key(p.peer_id) for p in peers}
         key_names |= {
             directory.peer_key(p.peer_id, level) for p in peers for level in range(MAX_PEER_LEVEL + 1)
@@ -269,12 +270,19 @@ def plan_phase(topo: Topology, net: SyntheticNetwork, order: np.ndarray) -> dict
     plan_s = time.perf_counter() - start
     true_plan = op_fence(dag, truth, COST)
     really = estimate(dag, truth, inferred_plan.stages, COST).iteration_s
+    # what the coordinator plans on: its MAX_PLAN_PEERS fastest peers
+    fastest = sorted(np.argsort(-topo.speed, kind="stable")[:MAX_PLAN_PEERS].tolist())
+    chosen = [topo.peer_ids[i] for i in fastest]
+    narrow = op_fence(dag, topo.subset(chosen), COST)
+    narrow_true = estimate(dag, truth.subset(chosen), narrow.stages, COST).iteration_s
     return {
+        "coordinator_plan_true_s": narrow_true,
         "plan_s": plan_s,
         "inferred_plan_believed_s": inferred_plan.iteration_s,
         "inferred_plan_true_s": really,
         "true_plan_s": true_plan.iteration_s,
         "gap_vs_true_plan": really / true_plan.iteration_s - 1,
+        "estimate_error": inferred_plan.iteration_s / really - 1,  # what it believed vs its true cost
         "stages": len(inferred_plan.stages),
     }
 
@@ -327,8 +335,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
     lines = [
         "| peers | links | publish peers / links (s) | view cold / warm (s) | complete | largest key | "
-        "measured | inferred bw error med / p90 | topology (s) | OP-Fence (s) | plan vs true plan |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "measured | inferred bw error med / p90 | topology (s) | OP-Fence (s) | plan vs true plan | "
+        "its estimate vs its true cost | 16 fastest vs true plan |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         publish = (
@@ -342,7 +351,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['measured_fraction'] * 100:.1f}% | {r['median_rel_error'] * 100:.1f}% / "
             f"{r['p90_rel_error'] * 100:.1f}% | {cell(r, 'topology_s', '.2f')} | "
             f"{cell(r, 'plan_s', '.2f')} | "
-            f"{r['gap_vs_true_plan'] * 100:+.1f}% |"
+            f"{r['gap_vs_true_plan'] * 100:+.1f}% | {r['estimate_error'] * 100:+.1f}% | "
+            f"{(r['coordinator_plan_true_s'] / r['true_plan_s'] - 1) * 100:+.1f}% |"
         )
     return "\n".join(lines)
 

@@ -14,7 +14,9 @@ random links each, bandwidth alone finds the clusters with an adjusted Rand inde
 bandwidth over latency with 0.996. ``pair(A, B)`` is the upper quartile of the measured A -> B links
 (peers behind a slow access link pull the median down; the upper quartile sees past
 them); a pair of clusters no link joins takes the widest path through the cluster graph.
-``out(u)`` / ``in(v)`` is the fastest link measured from u / into v. Latency is the
+``out(u)`` / ``in(v)`` is the fastest link measured from u / into v, once measured on at
+least 8 (fewer say little about its access link). A direction measured only the other way
+takes the reverse within the same caps (access links are often asymmetric). Latency is the
 median measured between the two clusters (path sums where none was). Measured pairs
 keep their measurement. ``benchmarks/scale_sim.py`` measures the error against a
 fully measured synthetic swarm.
@@ -28,6 +30,7 @@ import numpy as np
 
 __all__ = ["infer_unmeasured", "measured_clusters"]
 
+_CAP_LINKS = 8  # a peer's fastest link caps its inferred ones once measured on this many
 _LATENCY_FLOOR = 50e-6  # seconds: a loopback or LAN pair counts as this near
 
 
@@ -70,38 +73,57 @@ def infer_unmeasured(
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(bandwidth, latency)`` with every NaN off the diagonal filled in (see the module).
 
-    Both arrays are (n, n) with NaN where unmeasured; a pair measured one way only should
-    already carry the reverse measurement. The diagonal comes back inf / 0. The measured
-    graph must be connected (``Topology.from_records`` checks).
+    Both arrays are (n, n): ``[i, j]`` as measured from i to j, NaN where that direction
+    was not. A direction measured only the other way takes the reverse, within the two
+    peers' access links. The diagonal comes back inf / 0. The measured graph must be
+    connected (``Topology.from_records`` checks).
     """
     n = len(bandwidth)
     bw = np.array(bandwidth, dtype=float)
     lat = np.array(latency, dtype=float)
     np.fill_diagonal(bw, np.nan)
-    known = ~np.isnan(bw)
+    direct = ~np.isnan(bw)
+    measured_bw = np.where(direct, bw, -np.inf)
+    out_cap, in_cap = measured_bw.max(axis=1), measured_bw.max(axis=0)
+    out_cap[direct.sum(axis=1) < _CAP_LINKS] = np.inf  # too few links to know its access link
+    in_cap[direct.sum(axis=0) < _CAP_LINKS] = np.inf
+    caps = np.minimum(out_cap[:, None], in_cap[None, :])
+    reverse = ~direct & direct.T
+    bw = np.where(reverse, np.minimum(bw.T, caps), bw)
+    lat = np.where(reverse, lat.T, lat)
+    known = direct | reverse
+    np.fill_diagonal(known, False)
     if known.sum() < n * (n - 1):
         labels = measured_clusters(bw, lat, seed)
-        k = int(labels.max()) + 1
-        pair, pair_lat = np.zeros((k, k)), np.full((k, k), np.inf)
-        src, dst = np.nonzero(known)
-        by_pair = labels[src] * k + labels[dst]
-        order = np.argsort(by_pair, kind="stable")
-        groups = np.split(order, np.flatnonzero(np.diff(by_pair[order])) + 1)
-        for group in groups:
-            a, b = divmod(int(by_pair[group[0]]), k)
-            pair[a, b] = np.percentile(bw[src[group], dst[group]], 75)
-            pair_lat[a, b] = np.median(lat[src[group], dst[group]])
-        np.fill_diagonal(pair_lat, np.where(np.diag(pair) > 0, np.diag(pair_lat), 0.0))
-        np.fill_diagonal(pair, np.where(np.diag(pair) > 0, np.diag(pair), np.inf))
-        unknown = pair == 0  # no link joins the two clusters: their widest path
-        if unknown.any():
-            wide, wide_lat = _widest(pair, pair_lat)
-            pair, pair_lat = np.where(unknown, wide, pair), np.where(unknown, wide_lat, pair_lat)
-        out_cap = np.nanmax(np.where(known, bw, -np.inf), axis=1)
-        in_cap = np.nanmax(np.where(known, bw, -np.inf), axis=0)
-        guess = np.minimum(pair[labels][:, labels], np.minimum(out_cap[:, None], in_cap[None, :]))
-        bw = np.where(known, bw, guess)
+        pair, pair_lat = _cluster_pairs(bw, lat, direct, labels)
+        bw = np.where(known, bw, np.minimum(pair[labels][:, labels], caps))
         lat = np.where(known, lat, pair_lat[labels][:, labels])
     np.fill_diagonal(bw, np.inf)
     np.fill_diagonal(lat, 0.0)
     return bw, lat
+
+
+def _cluster_pairs(
+    bw: np.ndarray, lat: np.ndarray, direct: np.ndarray, labels: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(k, k) bandwidth and latency between clusters: the upper quartile / median of the
+    directly measured links from a to b; else of b to a; else the widest path."""
+    k = int(labels.max()) + 1
+    pair, pair_lat = np.zeros((k, k)), np.full((k, k), np.inf)
+    src, dst = np.nonzero(direct)
+    by_pair = labels[src] * k + labels[dst]
+    order = np.argsort(by_pair, kind="stable")
+    for group in np.split(order, np.flatnonzero(np.diff(by_pair[order])) + 1):
+        if len(group):
+            a, b = divmod(int(by_pair[group[0]]), k)
+            pair[a, b] = np.percentile(bw[src[group], dst[group]], 75)
+            pair_lat[a, b] = np.median(lat[src[group], dst[group]])
+    one_way = (pair == 0) & (pair.T > 0)
+    pair, pair_lat = np.where(one_way, pair.T, pair), np.where(one_way, pair_lat.T, pair_lat)
+    np.fill_diagonal(pair_lat, np.where(np.diag(pair) > 0, np.diag(pair_lat), 0.0))
+    np.fill_diagonal(pair, np.where(np.diag(pair) > 0, np.diag(pair), np.inf))
+    unknown = pair == 0  # no link joins the two clusters: their widest path
+    if unknown.any():
+        wide, wide_lat = _widest(pair, pair_lat)
+        pair, pair_lat = np.where(unknown, wide, pair), np.where(unknown, wide_lat, pair_lat)
+    return pair, pair_lat

@@ -84,9 +84,7 @@ class Topology:
             if link.src in pos and link.dst in pos:
                 bw[pos[link.src], pos[link.dst]] = link.bandwidth_bytes_per_s
                 lat[pos[link.src], pos[link.dst]] = link.rtt_s / 2
-        reverse = np.isnan(bw) & ~np.isnan(bw.T)
-        bw[reverse], lat[reverse] = bw.T[reverse], lat.T[reverse]
-        measured = ~np.isnan(bw)
+        measured = ~np.isnan(bw) | ~np.isnan(bw.T)
         np.fill_diagonal(measured, False)
         _check_connected(ids, measured)
         bw, lat = infer_unmeasured(bw, lat)
