@@ -4,6 +4,7 @@
 - ``dht_node.py``: starting this process's hivemind DHT node (with a parent watchdog).
 - ``validation.py``: the validators every DHT node runs on records it stores or reads.
 - ``directory.py``: the swarm's records in the DHT (peers, links, plans).
+- ``directory_view.py``: a reader's cached view of the directory that refreshes what fell due.
 - ``framing.py``: length-prefixed frames with a size limit and deadlines.
 - ``limits.py``: stream counts, inbound byte budgets and rate-limited rejection logs.
 - ``transport.py``: frame streams over libp2p, a rate-limited wrapper, an in-memory one.

@@ -1,6 +1,7 @@
 """Planning: records and an OP-DAG in, a Plan out. Pure: no network, no clock, no asyncio.
 
 - ``topology.py``: the swarm as arrays (speed, memory, bandwidth, latency); PlanningError.
+- ``infer.py``: the bandwidth and latency of pairs nobody measured, from those measured.
 - ``cost.py``: wire format, compression policies and adaptive ratios (§5.2), CostConfig.
 - ``estimate.py``: sequential and pipelined iteration time and memory of a partition (§3.6).
 - ``chain.py``: vectorized stage/link costs over the topological order.
@@ -9,7 +10,7 @@
 - ``baselines.py``: equal-number and equal-computation partitions.
 - ``exact.py``: exhaustive optimum for small chain cases.
 - ``plan.py``: the Plan and its per-stage wire records.
-- ``synthetic.py``: seeded synthetic swarms.
+- ``synthetic.py``: seeded synthetic swarms and networks.
 """
 
 from fusionp2p.planning.baselines import BASELINES, baseline_plan
