@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 _CAP_FACTORS = (1.0, 1.15, 1.5, 2.5, math.inf)
 _EVERY_ORDER = 6  # up to this many candidates, OP-Fence tries every peer order (720: ~1 s)
 _SEEDED_ORDERS = 8  # up to this many, also orders by memory and 256 seeded random ones
+_MIN_PER_CLUSTER = 6  # a cluster the search visits offers at least this many candidates
 
 
 def cluster_orders(topo: Topology, clusters: list[list[int]], max_orders: int = 24) -> list[tuple[int, ...]]:
@@ -266,6 +267,19 @@ def _candidates(topo: Topology, cluster: Sequence[int], n: int) -> list[int]:
     return sorted(chosen, key=lambda p: (-topo.speed[p], p))
 
 
+def _strongest(topo: Topology, clusters: list[list[int]], max_candidates: int) -> list[list[int]]:
+    """The clusters the search visits: all of them, unless that leaves fewer than
+    ``_MIN_PER_CLUSTER`` candidates each; then the strongest (the most compute in their
+    ``_MIN_PER_CLUSTER`` fastest peers), in their original order. On a large swarm this
+    keeps whole fast clusters in the search instead of one or two peers of every cluster."""
+    keep = max(1, max_candidates // _MIN_PER_CLUSTER)
+    if len(clusters) <= keep:
+        return clusters
+    score = [float(np.sort(topo.speed[c])[::-1][:_MIN_PER_CLUSTER].sum()) for c in clusters]
+    chosen = sorted(sorted(range(len(clusters)), key=lambda i: (-score[i], i))[:keep])
+    return [clusters[i] for i in chosen]
+
+
 def _arrange(
     topo: Topology, peers: Sequence[int], how: str, before: Sequence[int], after: Sequence[int]
 ) -> list[int]:
@@ -380,9 +394,10 @@ def op_fence(
         PlanningError: no combination of peers has the memory for the model.
     """
     clusters = cluster_peers(topo, clustering, seed)
-    per_cluster = max(1, min(len(dag), max_candidates // len(clusters)))
+    searched = _strongest(topo, clusters, max_candidates)
+    per_cluster = max(1, min(len(dag), max_candidates // len(searched)))
     ch = ChainCosts(dag, topo, cost)
-    ranked = [_candidates(topo, c, per_cluster) for c in clusters]
+    ranked = [_candidates(topo, c, per_cluster) for c in searched]
     best = _best_of_orders(dag, topo, cost, ranked, ch, max_positions, refine)
     candidates = sorted({p for r in ranked for p in r})
     if best is None:  # memory-tight: the peers with the most memory, still cluster by cluster
