@@ -46,7 +46,9 @@ __all__ = ["Coordinator"]
 
 logger = logging.getLogger(__name__)
 
-MAX_PLAN_PEERS = 16
+MAX_PLAN_PEERS = 1024  # the fastest idle peers a plan considers (OP-Fence: ~1 s at 1,000)
+REPLY_PEERS = 32  # peers a reply names (the plan's always): every pair between them, < 1,000 links
+MAX_REPLY_PEERS = 64  # 64 x 63 pairs fit a reply's 4,096 link records
 PLAN_TTL = 3600.0  # a plan's records live this long in the DHT
 _MAX_WAITING = 4
 VIEW_PERIOD = 5.0  # seconds between refreshes of the lease holder's view of the swarm
@@ -175,23 +177,41 @@ class Coordinator:
             raise PlanningError(
                 f"no idle peer to run job {request.job} on ({len(live)} live, all busy or not yet measured)"
             )
-        # infer unmeasured pairs from every measured link, then plan on the chosen peers only
-        everyone = {**{pid: p for pid, p in live.items() if pid in reached}, owner: request.owner}
+        # infer the pairs nobody measured from every measured link, then plan on the idle peers
+        everyone = {
+            **{pid: p for pid, p in live.items() if pid in reached},
+            **{p.peer_id: p for p in idle},
+            owner: request.owner,
+        }
         swarm = await asyncio.to_thread(
             Topology.from_records, list(everyone.values()), [lk for lk in measured if lk.src in everyone]
         )
-        peers = (*idle, request.owner)
-        chosen = swarm.subset(sorted(p.peer_id for p in peers))
-        all_links = tuple(chosen.link_records(get_dht_time()))
-        topo = Topology.from_records(peers, all_links)  # what the data owner rebuilds from the reply
+        candidates = swarm.subset(sorted([owner, *(p.peer_id for p in idle)]))
         cost = CostConfig(
             n_micro_batches=request.n_micro_batches,
             compression=compression_policy(request.compression, request.max_ratio),
         )
-        plan = await asyncio.to_thread(plan_job, traced.dag, topo, owner, method=request.method, cost=cost)
+        plan = await asyncio.to_thread(
+            plan_job, traced.dag, candidates, owner, method=request.method, cost=cost
+        )
         if not plan.estimate.fits:
-            why = explain_no_fit(traced.dag, topo, cost, [topo.peer_ids.index(p.peer_id) for p in idle])
+            chosen = [candidates.peer_ids.index(p.peer_id) for p in idle]
+            why = explain_no_fit(traced.dag, candidates, cost, chosen)
             raise PlanningError(f"job {request.job} fits in no split over the {len(idle)} idle peers: {why}")
+        # the reply: the plan's peers, the data owner, the fastest other idle peers up to a bound,
+        # and every pair between them (what anyone re-plans from)
+        kept = {owner, *plan.peer_ids}
+        if len(kept) > MAX_REPLY_PEERS:
+            raise PlanningError(
+                f"the {request.method} plan of job {request.job} uses {len(kept) - 1} peers; a plan may "
+                f"use at most {MAX_REPLY_PEERS - 1} (OP-Fence stays well below)"
+            )
+        for p in idle:
+            if len(kept) >= REPLY_PEERS:
+                break
+            kept.add(p.peer_id)
+        peers = tuple(everyone[pid] for pid in sorted(kept))
+        all_links = tuple(swarm.subset(sorted(kept)).link_records(get_dht_time()))
         if not self.keeper.holds():  # the lease ran out while planning: this plan must not count
             raise LimitError(self._not_coordinator())
         epoch = self.keeper.epoch
