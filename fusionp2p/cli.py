@@ -93,6 +93,14 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     peer.add_argument("--flops", type=float, help="declared fp32 FLOP/s instead of measuring")
     peer.add_argument(
+        "--emulated-speed",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="testbeds: profile and compute as a device F times as fast as this one, F in (0, 1] "
+        "(each piece of work is followed by a sleep; default: %(default)s)",
+    )
+    peer.add_argument(
         "--upload-limit-mbps", type=float, help="cap this peer's outgoing stream traffic (Mbit/s)"
     )
     peer.add_argument("--heartbeat", type=float, default=5.0, help="seconds between refreshes")
@@ -248,6 +256,7 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         identity_path=args.identity,
         device=args.device,
         flops_override=args.flops,
+        emulated_speed=args.emulated_speed,
         upload_limit_mbps=args.upload_limit_mbps,
         heartbeat=args.heartbeat,
         record_ttl=args.record_ttl,

@@ -231,6 +231,7 @@ class PeerConfig:
     identity_path: str | None = None  # libp2p identity file; gives a stable PeerID
     device: str = "cpu"  # "cpu", "cuda[:N]", or "auto" (a GPU when there is one): where stages compute
     flops_override: float | None = None  # declared fp32 FLOP/s, replacing the measured one
+    emulated_speed: float = 1.0  # testbeds: profile and compute as a device this much as fast, in (0, 1]
     upload_limit_mbps: float | None = None  # cap on this peer's outgoing stream traffic
     heartbeat: float = 5.0  # seconds between PeerRecord/LinkRecord refreshes
     record_ttl: float = 20.0  # seconds a record lives without a heartbeat
@@ -273,6 +274,8 @@ class PeerConfig:
             _positive("PeerConfig", flops_override=self.flops_override)
         if self.upload_limit_mbps is not None:
             _positive("PeerConfig", upload_limit_mbps=self.upload_limit_mbps)
+        if not 0 < self.emulated_speed <= 1:
+            raise ConfigError(f"PeerConfig.emulated_speed must be in (0, 1], got {self.emulated_speed}")
         for target in self.allow_models:
             if not isinstance(target, str) or not re.fullmatch(r"[\w.]+:[\w.]+", target):
                 raise ConfigError(f"PeerConfig.allow_models holds {target!r}, not 'package.module:factory'")

@@ -109,7 +109,9 @@ class Peer:
             ensure_identity(identity_path)
             signing_key = load_signing_key(identity_path)
             device = resolve_device(config.device)
-            profile = await asyncio.to_thread(profile_device, device, flops_override=config.flops_override)
+            profile = await asyncio.to_thread(
+                profile_device, device, flops_override=config.flops_override, speed=config.emulated_speed
+            )
             dht = start_dht(
                 initial_peers=config.initial_peers,
                 host_maddrs=config.host_maddrs,
@@ -142,6 +144,7 @@ class Peer:
                 max_memory_bytes=config.max_memory_bytes,
                 limits=limits,
                 device=profile.device,
+                emulated_speed=config.emulated_speed,
             )
             peer.executors = await ExecutorService(
                 transport,

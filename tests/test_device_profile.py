@@ -35,3 +35,20 @@ def test_missing_cuda_is_a_clear_error(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ProfileError, match="CUDA is not available"):
         measure_device("cuda:0")
+
+
+def test_an_emulated_slower_device_takes_longer_and_measures_slower(tmp_path, monkeypatch) -> None:
+    from fusionp2p.errors import ConfigError
+    from fusionp2p.runtime.throttle import Throttle
+
+    start = time.perf_counter()
+    assert Throttle(0.25).run(lambda: time.sleep(0.02) or 7) == 7
+    assert time.perf_counter() - start >= 0.08  # 4x the work's 20 ms
+    with pytest.raises(ConfigError, match="in \\(0, 1\\]"):
+        Throttle(1.5)
+    full = measure_device("cpu", budget_s=0.2).flops["float32"]
+    slowed = measure_device("cpu", budget_s=0.2, speed=0.2).flops["float32"]
+    assert slowed < 0.4 * full  # ~0.2x, with room for this machine's noise
+    monkeypatch.setenv("FUSIONP2P_CACHE", str(tmp_path))
+    profile_device("cpu", speed=0.2)
+    assert [p.name for p in tmp_path.glob("profile-*speed0.2.json")]  # cached apart from full speed

@@ -30,6 +30,7 @@ from fusionp2p.errors import LimitError, ProtocolError
 from fusionp2p.net.transport import Transport
 from fusionp2p.runtime.executor import Executor, Message
 from fusionp2p.runtime.jobs import Job, Work
+from fusionp2p.runtime.throttle import Throttle
 
 __all__ = ["ComputeQueue"]
 
@@ -42,8 +43,11 @@ _BATCH = 32  # queued items run per hop to the compute thread
 class ComputeQueue:
     """Runs jobs' work on one thread; ``run()`` is its loop (a task the owner tracks)."""
 
-    def __init__(self, transport: Transport, *, depth: int, timeout: float) -> None:
+    def __init__(
+        self, transport: Transport, *, depth: int, timeout: float, throttle: Throttle | None = None
+    ) -> None:
         self.transport = transport
+        self.throttle = throttle or Throttle()  # an emulated slower device (testbeds)
         self.timeout = timeout
         self.rejected = 0  # OpData whose body the executor refused
         self._inbox: asyncio.PriorityQueue[tuple[int, int, Work]] = asyncio.PriorityQueue(depth)
@@ -160,7 +164,7 @@ class ComputeQueue:
                 work, executor, iteration = step
                 began = time.perf_counter()
                 try:
-                    out = work()
+                    out = self.throttle.run(work)
                     done = executor.micro_batches_done(iteration)
                     results.append((out, done, None, time.perf_counter() - began))
                 except Exception as e:
@@ -241,7 +245,7 @@ class ComputeQueue:
 
         def step() -> tuple[int, float]:
             began = time.perf_counter()
-            executor.step(iteration)
+            self.throttle.run(lambda: executor.step(iteration))
             return executor.micro_batches_done(iteration + 1), time.perf_counter() - began
 
         job.micro_batches_done, seconds = await self.in_pool(step)

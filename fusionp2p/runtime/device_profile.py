@@ -19,6 +19,7 @@ import psutil
 import torch
 
 from fusionp2p.errors import ProfileError
+from fusionp2p.runtime.throttle import Throttle
 
 __all__ = ["DeviceProfile", "free_memory", "measure_device", "profile_device", "resolve_device"]
 
@@ -72,7 +73,9 @@ def free_memory(device: str) -> tuple[int, int]:
     return int(memory.available), int(memory.total)
 
 
-def _time_matmul(device: torch.device, dtype: torch.dtype, n: int, budget_s: float) -> float:
+def _time_matmul(
+    device: torch.device, dtype: torch.dtype, n: int, budget_s: float, throttle: Throttle
+) -> float:
     a = torch.randn(n, n, device=device, dtype=torch.float32).to(dtype)
     b = torch.randn(n, n, device=device, dtype=torch.float32).to(dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -80,16 +83,16 @@ def _time_matmul(device: torch.device, dtype: torch.dtype, n: int, budget_s: flo
     sync()
     runs, start = 0, time.perf_counter()
     while True:
-        torch.matmul(a, b)
+        throttle.run(lambda: (torch.matmul(a, b), sync()))
         runs += 1
-        sync()
         elapsed = time.perf_counter() - start
         if elapsed >= budget_s or runs >= 1000:
             return 2.0 * n**3 * runs / elapsed
 
 
-def measure_device(device: str, *, budget_s: float = 0.5) -> DeviceProfile:
-    """Times matmuls on ``device`` (fp32 always; bf16/fp16 where they run).
+def measure_device(device: str, *, budget_s: float = 0.5, speed: float = 1.0) -> DeviceProfile:
+    """Times matmuls on ``device`` (fp32 always; bf16/fp16 where they run), each slowed to
+    an emulated ``speed`` (``runtime.throttle``; 1: as it is).
 
     Raises:
         ProfileError: the device is missing or fp32 matmul fails.
@@ -98,11 +101,12 @@ def measure_device(device: str, *, budget_s: float = 0.5) -> DeviceProfile:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ProfileError(f"device {device} requested but CUDA is not available here")
     n = 2048 if dev.type == "cuda" else 512
+    throttle = Throttle(speed)
     flops: dict[str, float] = {}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)):
         try:
             size = n if name == "float32" or dev.type == "cuda" else n // 2  # slow on CPU
-            flops[name] = _time_matmul(dev, dtype, size, budget_s)
+            flops[name] = _time_matmul(dev, dtype, size, budget_s, throttle)
         except (RuntimeError, TypeError) as e:
             if name == "float32":
                 raise ProfileError(f"fp32 matmul failed on {device}: {e}") from e
@@ -117,16 +121,19 @@ def measure_device(device: str, *, budget_s: float = 0.5) -> DeviceProfile:
     )
 
 
-def _cache_path(device: str) -> Path:
+def _cache_path(device: str, speed: float) -> Path:
     root = Path(os.environ.get("FUSIONP2P_CACHE", Path.home() / ".cache" / "fusionp2p"))
     key = f"{platform.node()}-{device.replace(':', '_')}-torch{torch.__version__}"
+    if speed != 1.0:
+        key += f"-speed{speed:g}"
     return root / f"profile-{key}.json"
 
 
 def profile_device(
-    device: str, *, flops_override: float | None = None, use_cache: bool = True
+    device: str, *, flops_override: float | None = None, use_cache: bool = True, speed: float = 1.0
 ) -> DeviceProfile:
-    """The profile of ``device``: cached if measured before, else measured and cached."""
+    """The profile of ``device`` (emulated at ``speed``, see ``runtime.throttle``): cached
+    if measured before, else measured and cached."""
     if flops_override is not None:
         _, total = free_memory(device)
         return DeviceProfile(
@@ -136,7 +143,7 @@ def profile_device(
             total_memory_bytes=total,
             measured={"float32": False},
         )
-    path = _cache_path(device)
+    path = _cache_path(device, speed)
     profile = None
     if use_cache and path.exists():
         try:
@@ -149,7 +156,7 @@ def profile_device(
             logger.info("ignoring unreadable profile cache %s: %s", path, e)
     if profile is None:
         logger.info("measuring %s (matmul FLOP/s per dtype)...", device)
-        profile = measure_device(device)
+        profile = measure_device(device, speed=speed)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"cache_version": _CACHE_VERSION, **asdict(profile)}))

@@ -49,6 +49,7 @@ from fusionp2p.runtime.engines import ENGINES, BuildStage
 from fusionp2p.runtime.executor import Executor, Message
 from fusionp2p.runtime.job_setup import JobSetup
 from fusionp2p.runtime.jobs import Job, Work, opdata_key
+from fusionp2p.runtime.throttle import Throttle
 
 __all__ = ["ExecutorService", "ServicePolicy"]
 
@@ -68,6 +69,7 @@ class ServicePolicy:
     accept_jobs_from: frozenset[str] = frozenset()  # PeerIDs that may set jobs up; empty: anyone
     max_memory_bytes: int | None = None  # what one stage may need; None: 80% of free memory
     device: str = "cpu"  # where stages compute: "cpu" or "cuda:N"
+    emulated_speed: float = 1.0  # testbeds: compute as a device this much as fast (runtime.throttle)
     limits: ExecLimits = field(default_factory=ExecLimits)
     timeout: float = 60.0  # one remote request, or waiting for this stage to finish an iteration
 
@@ -96,7 +98,9 @@ class ExecutorService:
         self._gate = gate or StreamGate(per_peer=limits.streams_per_peer, total=limits.streams_total)
         self._budget = InboundBudget(total=limits.inbound_bytes, per_peer=limits.inbound_bytes_per_peer)
         depth = limits.inbox_depth * self.policy.max_jobs
-        self.compute = ComputeQueue(transport, depth=depth, timeout=self.policy.timeout)
+        self.compute = ComputeQueue(
+            transport, depth=depth, timeout=self.policy.timeout, throttle=Throttle(self.policy.emulated_speed)
+        )
         self._setting_up: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._log = RejectionLog(logger, "protocol error: rejected exec message")
