@@ -28,7 +28,12 @@ __all__ = ["PLAN_METHODS", "plan_job", "probe_from", "self_record"]
 
 logger = logging.getLogger(__name__)
 
-PLAN_METHODS = ("op-fence", *(f"{b}/{c}" for b in BASELINES for c in ("none", "uniform", "adaptive")))
+# a bare baseline runs with the job's compression; a suffixed one with its own
+PLAN_METHODS = (
+    "op-fence",
+    *BASELINES,
+    *(f"{b}/{c}" for b in BASELINES for c in ("none", "uniform", "adaptive")),
+)
 
 
 def self_record(peer_id: str, device: str = "cpu") -> PeerRecord:
@@ -80,7 +85,8 @@ async def probe_from(
 
 def plan_job(dag: OpDag, topo: Topology, data_owner: str, *, method: str, cost: CostConfig) -> Plan:
     """A plan of ``dag`` over the peers of ``topo`` other than ``data_owner``: OP-Fence, or a
-    baseline ``"equal-number/none"``, ``"equal-computation/adaptive"``, ...
+    baseline with ``cost``'s compression (``"equal-number"``) or its own
+    (``"equal-computation/adaptive"``, ...).
 
     Raises:
         ConfigError: an unknown method.
@@ -95,8 +101,8 @@ def plan_job(dag: OpDag, topo: Topology, data_owner: str, *, method: str, cost: 
     if method == "op-fence":
         plan = op_fence(dag, peers, cost)
     else:
-        name, kind = method.split("/")
-        plan = baseline_plan(name, dag, peers, cost, kind)  # type: ignore[arg-type]
+        name, _, kind = method.partition("/")
+        plan = baseline_plan(name, dag, peers, cost, kind or cost.compression.kind)  # type: ignore[arg-type]
     logger.info(
         "planned %s with %s on %d peer(s) in %.2f s: %d stage(s), %.3f s per iteration (estimate)",
         dag.name,

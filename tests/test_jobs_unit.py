@@ -169,3 +169,26 @@ def test_more_transformers_families_build_and_trace_the_same_graph_fake(family: 
     assert real.dag.fingerprint.startswith(f"{family}@")
     with pytest.raises(ConfigError, match="no config key"):
         registry.resolve(family).validate({**config, "trust_remote_code": True})
+
+
+def test_a_bare_baseline_plans_with_the_jobs_compression() -> None:
+    from fusionp2p.data_owner import plan_job
+    from fusionp2p.opdag import TransformerShape, transformer_dag
+    from fusionp2p.planning import CostConfig, Topology, synthetic_swarm
+
+    job = JobSpec.from_toml(
+        "[train]\ncompression = 'uniform'\nmax_ratio = 16\nplan_method = 'equal-number'\n"
+    )
+    policy = compression_policy(job.compression, job.max_ratio)
+    assert (policy.kind, policy.ratio, policy.max_ratio) == ("uniform", 16.0, 16.0)
+    shape = TransformerShape("gpt2", 4, 256, 4, 256, 128, 1024, 4, True)
+    dag = transformer_dag(shape, seq_len=128, micro_batch=2, granularity="block")
+    peers, links, _ = synthetic_swarm(3, n_peers=6)
+    topo = Topology.from_records(peers, links)
+    cost = CostConfig(n_micro_batches=4, compression=policy)
+    owner = topo.peer_ids[0]
+    plan = plan_job(dag, topo, owner, method=job.plan_method, cost=cost)
+    assert plan.method == "equal-number/uniform"
+    assert plan.ratios and set(plan.ratios.values()) == {16.0}
+    dense = plan_job(dag, topo, owner, method="equal-number/none", cost=cost)  # its own compression
+    assert dense.method == "equal-number/none" and set(dense.ratios.values()) == {1.0}

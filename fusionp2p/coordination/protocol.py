@@ -82,7 +82,9 @@ def _str(body: dict[str, Any], key: str, choices: Sequence[str] | None = None) -
 class JobRequest:
     """What the coordinator plans a job from."""
 
-    VERSION = 3  # 2: replaces, exclude, speeds (re-plans of a running job); 3: max_ratio
+    # 2: replaces, exclude, speeds (re-plans of a running job); 3: max_ratio; 4: "uniform"
+    # compression and bare baseline methods (with the job's compression)
+    VERSION = 4
 
     job: str
     spec: ModelSpec

@@ -20,7 +20,7 @@ from fusionp2p.planning.cost import MAX_RATIO_LIMIT, PLANNED_MAX_RATIO, Compress
 
 __all__ = ["COMPRESSIONS", "EXAMPLE_CONFIG", "JobSpec", "compression_policy"]
 
-COMPRESSIONS = ("none", "adaptive", "planned")
+COMPRESSIONS = ("none", "uniform", "adaptive", "planned")
 _MAX_STEPS = 10_000_000
 
 EXAMPLE_CONFIG = """\
@@ -53,10 +53,12 @@ optimizer = "adamw"            # adamw or sgd
 lr = 0.001
 weight_decay = 0.0
 compression = "none"           # "none"; "planned": per link the least Top-K that hides it under the
-                               # slowest stage's compute; "adaptive": the paper's, by bandwidth
+                               # slowest stage's compute; "adaptive": the paper's, by bandwidth;
+                               # "uniform": max_ratio on every link
 ratio_warmup_steps = 100       # with compression: the Top-K ratios grow from 1 (dense) to the plan's
-max_ratio = 20.0               # "planned": no link is compressed harder than this (Top-K ratio)
-plan_method = "op-fence"       # or a baseline: "equal-computation/none", ...
+max_ratio = 20.0               # "planned"/"uniform": no link is compressed harder than this (Top-K ratio)
+plan_method = "op-fence"       # or a baseline, "equal-number" or "equal-computation" (with this
+                               # compression), or one with its own: "equal-computation/none", ...
 checkpoint_every = 0           # steps between checkpoints; 0: chosen to cost <= 10% of the steps
 min_peers = 2                  # wait for this many idle peers before submitting
 wait_peers_s = 120             # how long to wait for them
@@ -109,8 +111,8 @@ _WHERE = {f: (f"[{s}] {k}" if s else k) for (s, k), f in _TOML_FIELDS.items()}
 
 
 def compression_policy(name: str, max_ratio: float = PLANNED_MAX_RATIO) -> CompressionPolicy:
-    """The planner's policy for a job's ``compression`` ("none", "adaptive" or "planned",
-    which compresses no link harder than ``max_ratio``).
+    """The planner's policy for a job's ``compression``: "none", "adaptive" (the paper's),
+    "planned" (no link harder than ``max_ratio``) or "uniform" (``max_ratio`` on every link).
 
     Raises:
         ConfigError: another name.
@@ -119,6 +121,8 @@ def compression_policy(name: str, max_ratio: float = PLANNED_MAX_RATIO) -> Compr
         return CompressionPolicy(kind="none")
     if name == "adaptive":
         return CompressionPolicy(kind="adaptive")
+    if name == "uniform":
+        return CompressionPolicy(kind="uniform", ratio=max_ratio, max_ratio=max_ratio)
     if name == "planned":
         return CompressionPolicy(kind="planned", ratio=1.0, max_ratio=max_ratio)
     raise ConfigError(f"[train] compression: must be one of {list(COMPRESSIONS)}, got {name!r:.40}")
