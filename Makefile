@@ -8,7 +8,7 @@ PYTHON ?= python3
 VENV ?= .venv
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo demo-digits test lint clean
+.PHONY: demo demo-digits test lint clean bench-wan
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,9 @@ demo: $(STAMP)
 
 demo-digits: $(STAMP)
 	$(VENV)/bin/python demos/digits_cnn.py
+
+bench-wan: $(STAMP)  # root: builds an emulated WAN of network namespaces (~30 min here)
+	$(VENV)/bin/python -m benchmarks.wan
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check fusionp2p tests benchmarks demos

@@ -65,7 +65,9 @@ class LocalSwarm:
 
     ``allow_models`` (``"module:factory"`` import paths, importable by the peers, e.g.
     through ``env={"PYTHONPATH": ...}``) lets the peers serve models besides the built-in
-    families; ``peer_args`` adds any other ``fusionp2p peer`` flags per peer.
+    families; ``peer_args`` adds any other ``fusionp2p peer`` flags per peer. A testbed
+    gives each peer a ``launchers`` prefix (``ip netns exec NS``, which execs, so the PID
+    stays the peer's) and its own ``host_maddrs`` entry.
     """
 
     def __init__(
@@ -78,6 +80,8 @@ class LocalSwarm:
         log_level: str = "info",
         env: dict[str, str] | None = None,
         allow_models: Sequence[str] = (),
+        launchers: Sequence[Sequence[str]] | None = None,
+        host_maddrs: Sequence[str] | None = None,
     ) -> None:
         if n_peers < 1:
             raise SwarmError(f"a local swarm needs at least one peer, got {n_peers}")
@@ -91,6 +95,10 @@ class LocalSwarm:
         self.env = {**os.environ, **(env or {})}
         self.env.setdefault("FUSIONP2P_CACHE", str(self.workdir / "cache"))
         self.peers: list[PeerProcess] = []
+        self.launchers = [list(a) for a in (launchers or [[]] * n_peers)]
+        self.host_maddrs = list(host_maddrs or ["/ip4/127.0.0.1/tcp/0"] * n_peers)
+        if len(self.launchers) != n_peers or len(self.host_maddrs) != n_peers:
+            raise SwarmError(f"launchers and host_maddrs need one entry per peer ({n_peers})")
 
     @property
     def initial_peers(self) -> list[str]:
@@ -101,6 +109,7 @@ class LocalSwarm:
         log_path = self.workdir / f"peer{index}.log"
         ready_path = self.workdir / f"peer{index}.ready.json"
         cmd = [
+            *self.launchers[index],
             sys.executable,
             "-m",
             "fusionp2p",
@@ -110,7 +119,7 @@ class LocalSwarm:
             "--swarm",
             self.swarm,
             "--host-maddrs",
-            "/ip4/127.0.0.1/tcp/0",
+            self.host_maddrs[index],
             "--identity",
             str(self.workdir / f"peer{index}.key"),
             "--ready-file",
@@ -159,6 +168,8 @@ class LocalSwarm:
     def add_peer(self, args: Sequence[str] = (), timeout: float = 60.0) -> PeerProcess:
         """Starts one more peer that joins through peer 0."""
         self.peer_args.append(list(args))
+        self.launchers.append([])
+        self.host_maddrs.append("/ip4/127.0.0.1/tcp/0")
         peer = self._spawn(len(self.peers), self.initial_peers)
         self.peers.append(peer)
         self._wait_ready(peer, time.monotonic() + timeout)

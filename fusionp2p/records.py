@@ -256,6 +256,12 @@ class PeerRecord(_WireRecord):
         """Measured (or declared) float32 matmul speed in FLOP/s."""
         return self.flops["float32"]
 
+    @property
+    def train_flops(self) -> float:
+        """The speed plans divide FLOPs by: a transformer block's forward + backward as the
+        peer measured it (``"train_float32"``), else the fp32 matmul speed (declared)."""
+        return self.flops.get("train_float32", self.flops["float32"])
+
 
 @dataclass(frozen=True)
 class LinkRecord(_WireRecord):

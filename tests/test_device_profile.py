@@ -41,9 +41,18 @@ def test_an_emulated_slower_device_takes_longer_and_measures_slower(tmp_path, mo
     from fusionp2p.errors import ConfigError
     from fusionp2p.runtime.throttle import Throttle
 
+    def work() -> int:  # 20 ms of this thread's CPU
+        began = time.thread_time()
+        while time.thread_time() - began < 0.02:
+            pass
+        return 7
+
     start = time.perf_counter()
-    assert Throttle(0.25).run(lambda: time.sleep(0.02) or 7) == 7
-    assert time.perf_counter() - start >= 0.08  # 4x the work's 20 ms
+    assert Throttle(0.25).run(work) == 7
+    assert time.perf_counter() - start >= 0.08  # 4x the work's CPU time
+    start = time.perf_counter()
+    Throttle(0.25).run(lambda: time.sleep(0.05))  # waiting is not work: no CPU, no extra sleep
+    assert time.perf_counter() - start < 0.1
     with pytest.raises(ConfigError, match="in \\(0, 1\\]"):
         Throttle(1.5)
     full = measure_device("cpu", budget_s=0.2).flops["float32"]

@@ -88,7 +88,7 @@ class Topology:
         np.fill_diagonal(measured, False)
         _check_connected(ids, measured)
         bw, lat = infer_unmeasured(bw, lat)
-        speed = np.array([by_id[i].fp32_flops for i in ids])
+        speed = np.array([by_id[i].train_flops for i in ids])
         memory = np.array([float(by_id[i].memory_bytes) for i in ids])
         topo = cls(ids, speed, memory, bw, lat, measured)
         topo.validate()

@@ -21,11 +21,19 @@ import torch
 from fusionp2p.errors import ProfileError
 from fusionp2p.runtime.throttle import Throttle
 
-__all__ = ["DeviceProfile", "free_memory", "measure_device", "profile_device", "resolve_device"]
+__all__ = [
+    "TRAIN_FLOPS",
+    "DeviceProfile",
+    "free_memory",
+    "measure_device",
+    "profile_device",
+    "resolve_device",
+]
 
 logger = logging.getLogger(__name__)
 
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: TRAIN_FLOPS
+TRAIN_FLOPS = "train_float32"  # a transformer block's forward + backward, FLOP/s (what plans use)
 
 
 @dataclass(frozen=True)
@@ -34,7 +42,7 @@ class DeviceProfile:
 
     device: str  # "cpu" or "cuda:N"
     device_name: str
-    flops: dict[str, float]  # matmul FLOP/s per dtype name; always has "float32"
+    flops: dict[str, float]  # matmul FLOP/s per dtype name (always "float32"), and TRAIN_FLOPS
     total_memory_bytes: int
     torch_version: str = torch.__version__
     executors: tuple[str, ...] = ("torch",)
@@ -90,6 +98,48 @@ def _time_matmul(
             return 2.0 * n**3 * runs / elapsed
 
 
+class _ReferenceBlock(torch.nn.Module):
+    """A GPT-2 transformer block (pre-norm, causal attention, 4x MLP) in plain torch."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.fc, self.out = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
+        attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, s, d))
+        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+def _time_training(device: torch.device, budget_s: float, throttle: Throttle) -> float:
+    """FLOP/s of a transformer block's forward + backward (the paper's warm-up profiling of
+    real operators, §3.5): what the planner divides FLOPs by. FLOPs counted as the OP-DAG
+    counts them (``opdag.analytic``: 24·T·d² + 4·b·s²·d forward, twice that backward)."""
+    d, heads, b, s = (2048, 16, 8, 512) if device.type == "cuda" else (512, 8, 4, 128)
+    block = _ReferenceBlock(d, heads).to(device)
+    x = torch.randn(b, s, d, device=device, requires_grad=True)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def step() -> None:
+        block(x).pow(2).mean().backward()
+        sync()
+
+    step()  # warm-up
+    flops = 3 * (24 * b * s * d * d + 4 * b * s * s * d)
+    runs, start = 0, time.perf_counter()
+    while True:
+        throttle.run(step)
+        runs += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= budget_s or runs >= 200:
+            return flops * runs / elapsed
+
+
 def measure_device(device: str, *, budget_s: float = 0.5, speed: float = 1.0) -> DeviceProfile:
     """Times matmuls on ``device`` (fp32 always; bf16/fp16 where they run), each slowed to
     an emulated ``speed`` (``runtime.throttle``; 1: as it is).
@@ -111,6 +161,7 @@ def measure_device(device: str, *, budget_s: float = 0.5, speed: float = 1.0) ->
             if name == "float32":
                 raise ProfileError(f"fp32 matmul failed on {device}: {e}") from e
             logger.info("%s matmul unavailable on %s: %s", name, device, e)
+    flops[TRAIN_FLOPS] = _time_training(dev, budget_s, throttle)
     _, total = free_memory(device)
     return DeviceProfile(
         device=device,

@@ -167,6 +167,12 @@ class JobRun:
             epoch=submitted.epoch,
             coordinator=submitted.reply.coordinator,
             peers=self.stage_peers,
+            method=submitted.plan.method,
+            estimate_s=submitted.plan.iteration_s,
+            stage_compute_estimate_s=[
+                round(c * submitted.plan.n_micro_batches, 4) for c in submitted.plan.estimate.compute_s
+            ],
+            ratios=sorted({round(r, 2) for r in submitted.plan.ratios.values()}),
         )
 
     def _rewind(self, step: int) -> None:

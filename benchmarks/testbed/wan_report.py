@@ -1,0 +1,203 @@
+"""The WAN benchmark's outputs: ``wan.json``, a Markdown table with the targets, a bar chart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from benchmarks.testbed.wan_job import PLANNERS, POLICIES
+
+__all__ = ["targets", "write_report"]
+
+SPEEDUP_VS_NAIVE = 10.0  # OP-Fence + planned vs equal-number without compression
+SPEEDUP_VS_BASELINE = 1.5  # ... vs the best baseline cell
+ESTIMATE_TOLERANCE = 0.25  # |measured / estimate - 1| in every cell
+
+
+def _cell(rows: list[dict[str, Any]], planner: str, policy: str) -> dict[str, Any] | None:
+    return next(
+        (r for r in rows if r["planner"] == planner and r["compression"] == policy and "step_s" in r), None
+    )
+
+
+def _name(row: dict[str, Any]) -> str:
+    return f"{row['planner']}/{row['compression']}"
+
+
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each target of issue 15: what it asks, what was measured, met or not."""
+    out: list[dict[str, Any]] = []
+    ours, naive = _cell(rows, "op-fence", "planned"), _cell(rows, "equal-number", "none")
+    baselines = [r for r in rows if r["planner"] != "op-fence" and "step_s" in r]
+    if ours and naive:
+        x = naive["step_s"] / ours["step_s"]
+        out.append(
+            {
+                "target": f"OP-Fence+planned >= {SPEEDUP_VS_NAIVE:g}x equal-number/none",
+                "value": f"{x:.2f}x",
+                "met": x >= SPEEDUP_VS_NAIVE,
+            }
+        )
+    if ours and baselines:
+        best = min(baselines, key=lambda r: r["step_s"])
+        x = best["step_s"] / ours["step_s"]
+        out.append(
+            {
+                "target": f"OP-Fence+planned >= {SPEEDUP_VS_BASELINE:g}x the best baseline cell",
+                "value": f"{x:.2f}x ({best['planner']}/{best['compression']})",
+                "met": x >= SPEEDUP_VS_BASELINE,
+            }
+        )
+    measured = [r for r in rows if "step_s" in r and r.get("estimate_s")]
+    if measured:
+        worst = max(measured, key=lambda r: abs(r["step_s"] / r["estimate_s"] - 1))
+        ratio = worst["step_s"] / worst["estimate_s"]
+        inside = sum(abs(r["step_s"] / r["estimate_s"] - 1) <= ESTIMATE_TOLERANCE for r in measured)
+        out.append(
+            {
+                "target": f"measured within {ESTIMATE_TOLERANCE:.0%} of the estimate in every cell",
+                "value": f"{inside}/{len(measured)} cells; worst {ratio:.2f}x ({_name(worst)})",
+                "met": inside == len(measured),
+            }
+        )
+    for planner in PLANNERS:
+        planned, uniform = _cell(rows, planner, "planned"), _cell(rows, planner, "uniform")
+        if planned and uniform:
+            out.append(
+                {
+                    "target": f"{planner}: planned loss <= uniform loss after the fixed steps",
+                    "value": f"{planned['loss']:.3f} vs {uniform['loss']:.3f}",
+                    "met": planned["loss"] <= uniform["loss"],
+                }
+            )
+    return out
+
+
+def _markdown(result: dict[str, Any], dry_run: bool) -> str:
+    topo, job = result["topology"], result["job"]
+    lines = [f"# WAN benchmark: {topo['name']}", ""]
+    clusters = ", ".join(
+        f"{c['name']}: {c['hosts']} hosts at {c['slowdown']:g}x speed, {c['host_mbps']:g} Mbit/s host links"
+        for c in topo["clusters"]
+    )
+    wan = ", ".join(f"{w['src']}->{w['dst']} {w['mbps']:g}" for w in topo["wan"])
+    lines += [
+        f"Clusters {clusters}. WAN (Mbit/s): {wan}. The first host of the first cluster is the data owner.",
+        f"Model: GPT-2, n_embd {job['n_embd']}, {job['n_layer']} layers, {job['seq_len']} tokens, "
+        f"micro-batch {job['micro_batch']}, {job['batch'] // job['micro_batch']} micro-batches per step; "
+        f"{job['steps']} steps, "
+        f"the first {job['warmup_steps']} untimed; Top-K max ratio {job['max_ratio']:g}.",
+        f"Machine: {result['machine']}. Emulated devices (GFLOP/s): "
+        + ", ".join(f"{s}x: {g:.1f}" for s, g in result["devices_gflops"].items()),
+        "",
+    ]
+    if result.get("tcp_check"):
+        lines += ["| WAN direction | set Mbit/s | one TCP flow Mbit/s |", "|---|---:|---:|"]
+        lines += [
+            f"| {r['src']} -> {r['dst']} | {r['set_mbps']:g} | {r['tcp_mbps']:.1f} |"
+            for r in result["tcp_check"]
+        ]
+        lines.append("")
+    if result.get("probes"):
+        lines += [
+            "Links measured by the peers' own probes "
+            f"({result.get('links_measured_s', 0):.0f} s after start):",
+            "",
+            "| clusters | set Mbit/s | links | median probe Mbit/s |",
+            "|---|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['src']} -> {r['dst']} | {r['set_mbps']:g} | {r['links']} | {r['probe_mbps']:.1f} |"
+            for r in result["probes"]
+        ]
+        lines.append("")
+    rows = result.get("cells", [])
+    if rows:
+        naive = _cell(rows, "equal-number", "none")
+        lines += [
+            "| planner | compression | stages (clusters) | Top-K ratios | measured s/step | estimate s "
+            "| meas/est "
+            f"| loss @{job['steps']} | vs equal-number/none |",
+            "|---|---|---|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in rows:
+            if "step_s" not in r:
+                lines.append(
+                    f"| {r['planner']} | {r['compression']} | failed: {r.get('error', '?')[:120]} "
+                    "| | | | | | |"
+                )
+                continue
+            ratios = r["ratios"] or [1.0]
+            span = f"{min(ratios):g}" if len(ratios) == 1 else f"{min(ratios):g}-{max(ratios):g}"
+            speedup = f"{naive['step_s'] / r['step_s']:.2f}x" if naive else "-"
+            lines.append(
+                f"| {r['planner']} | {r['compression']} | {r['stages']} ({''.join(r['clusters'])}) | {span} "
+                f"| {r['step_s']:.2f} ± {r['step_sd']:.2f} | {r['estimate_s']:.2f} "
+                f"| {r['step_s'] / r['estimate_s']:.2f} "
+                f"| {r['loss']:.3f} | {speedup} |"
+            )
+        lines += ["", "| target | measured | met |", "|---|---|---|"]
+        lines += [
+            f"| {t['target']} | {t['value']} | {'yes' if t['met'] else 'NO'} |" for t in result["targets"]
+        ]
+        lines.append("")
+    lines += [
+        "Plans on the topology file's nominal rates (cost model only"
+        + (", `--dry-run`" if dry_run else ", before the peers measured anything")
+        + "):",
+        "",
+        "| planner | compression | stages (clusters) | estimate s |",
+        "|---|---|---|---:|",
+    ]
+    lines += [
+        f"| {r['planner']} | {r['compression']} | {r['stages']} ({''.join(r['clusters'])}) "
+        f"| {r['estimate_s']:.2f} |"
+        for r in result["nominal"]
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _chart(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result.get("cells", []) if "step_s" in r]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(POLICIES)
+    for k, policy in enumerate(POLICIES):
+        xs, ys, est = [], [], []
+        for i, planner in enumerate(PLANNERS):
+            r = _cell(rows, planner, policy)
+            if r:
+                xs.append(i + (k - (len(POLICIES) - 1) / 2) * width)
+                ys.append(r["step_s"])
+                est.append(r["estimate_s"])
+        ax.bar(xs, ys, width, label=policy)
+        ax.scatter(xs, est, marker="_", s=200, color="black", zorder=3, label="estimate" if k == 0 else None)
+    ax.set_xticks(range(len(PLANNERS)), PLANNERS)
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds per step (log)")
+    ax.set_title(
+        f"fusionp2p on the emulated WAN '{result['topology']['name']}': measured (bars), estimate (—)"
+    )
+    ax.legend(title="Top-K", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(result: dict[str, Any], out: Path, *, dry_run: bool) -> None:
+    """Writes wan.json, wan.md (and wan.png after a run) under ``out``; prints the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "wan-dry-run" if dry_run else "wan"
+    if not dry_run:
+        result["targets"] = targets(result.get("cells", []))
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    text = _markdown(result, dry_run)
+    (out / f"{stem}.md").write_text(text)
+    if not dry_run and result.get("cells"):
+        _chart(result, out / "wan.png")
+    print(text)
