@@ -56,18 +56,22 @@ def _env(cache: Path) -> dict[str, str]:
     return {**os.environ, **ENV, "FUSIONP2P_CACHE": str(cache), "PYTHONPATH": path}
 
 
-def profile_speeds(topo: TestbedTopology, env: dict[str, str]) -> dict[float, float]:
-    """Measures this machine once per emulated speed (one thread), into the peers' cache."""
+def profile_speeds(topo: TestbedTopology, env: dict[str, str]) -> dict[float, dict[str, float]]:
+    """Measures this machine once per emulated speed (one thread), into the peers' cache:
+    the fp32 matmul and the transformer-block training speed (``TRAIN_FLOPS``)."""
     speeds = sorted({1.0, *(c.slowdown for c in topo.clusters)})
     code = (
         "import json, sys\n"
         "from fusionp2p.runtime.device_profile import profile_device\n"
-        "print(json.dumps({s: profile_device('cpu', speed=float(s)).flops['float32'] for s in sys.argv[1:]}))"
+        "print(json.dumps({s: profile_device('cpu', speed=float(s)).flops for s in sys.argv[1:]}))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code, *map(str, speeds)], env=env, capture_output=True, text=True, check=True
     )
-    return {float(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+    return {
+        float(k): {n: v[n] for n in ("float32", "train_float32")}
+        for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()
+    }
 
 
 def check_wan(testbed: Testbed) -> list[dict[str, Any]]:
@@ -231,9 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cell-timeout", type=float, default=1200.0, help="seconds one cell may take")
     parser.add_argument("--out", default="benchmarks/results", help="where wan.json/.md/.png go")
     parser.add_argument("--keep", metavar="DIR", help="keep the peers' and cells' logs and runs in DIR")
+    parser.add_argument("--report", metavar="JSON", help="only re-render the table and chart of a wan.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("fusionp2p").setLevel(logging.WARNING)
+    if args.report:
+        write_report(json.loads(Path(args.report).read_text()), Path(args.out), dry_run=False)
+        return 0
     try:
         topo = load_topology(args.topology)  # a bad file stops here, before anything exists
     except TopologyError as e:
@@ -251,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         env = _env(work / "cache")
         flops = profile_speeds(topo, env)
         logger.info(
-            "emulated devices (GFLOP/s, one thread): %s", {s: round(f / 1e9, 1) for s, f in flops.items()}
+            "emulated devices (training GFLOP/s, one thread): %s",
+            {s: round(f["train_float32"] / 1e9, 1) for s, f in flops.items()},
         )
         peers, links, nominal_clusters = nominal_records(topo, flops)
         dry = plan_cells(job, peers, links, peers[0].peer_id)
@@ -260,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         result: dict[str, Any] = {
             "topology": asdict(topo),
             "job": asdict(job),
-            "devices_gflops": {str(s): f / 1e9 for s, f in flops.items()},
+            "devices_gflops": {str(s): f["train_float32"] / 1e9 for s, f in flops.items()},
+            "devices_matmul_gflops": {str(s): f["float32"] / 1e9 for s, f in flops.items()},
             "nominal": dry,
             "machine": f"{os.cpu_count()} cores, emulated device speeds by sleeping (runtime/throttle.py)",
         }

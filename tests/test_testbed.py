@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -118,4 +120,42 @@ def test_a_dead_testbeds_namespaces_are_removed_by_the_next() -> None:
     with netns.Testbed(Topology.from_dict(TWO)):
         assert len(_ours()) == 5  # the dead one's five are gone, ours are here
         assert time.monotonic() < deadline + 60
+    assert _ours() == []
+
+
+def test_the_wan_benchmark_refuses_a_bad_topology_before_building(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[cluster]]\nname = "a"\nhosts = 2\n[[cluster]]\nname = "b"\nhosts = 2\n')
+    before = _ours()
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.wan", "--topology", str(bad), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "clusters a and b have no link" in done.stderr and done.stderr.count("\n") == 1
+    assert _ours() == before and not list(tmp_path.glob("wan*"))
+
+
+def test_the_wan_dry_run_plans_every_cell_on_the_nominal_rates(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.wan", "--dry-run", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "FUSIONP2P_CACHE": str(tmp_path / "cache")},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads((tmp_path / "wan-dry-run.json").read_text())["nominal"]
+    assert [(r["planner"], r["compression"]) for r in rows][:2] == [
+        ("equal-number", "none"),
+        ("equal-number", "uniform"),
+    ]
+    assert len(rows) == 12 and all(r["estimate_s"] > 0 for r in rows)
+    by = {(r["planner"], r["compression"]): r for r in rows}
+    # OP-Fence keeps the model off the slow links: never slower than a baseline with the same policy
+    for policy in ("none", "uniform", "adaptive", "planned"):
+        assert by["op-fence", policy]["estimate_s"] <= by["equal-number", policy]["estimate_s"]
+    assert set(by["op-fence", "planned"]["clusters"]) == {"a"}  # the fast, well-connected site
     assert _ours() == []

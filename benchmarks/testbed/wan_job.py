@@ -100,7 +100,7 @@ def _peer_id(name: str) -> str:
 
 
 def nominal_records(
-    topo: TestbedTopology, flops_by_speed: dict[float, float], *, memory_bytes: int = 2 << 30
+    topo: TestbedTopology, flops_by_speed: dict[float, dict[str, float]], *, memory_bytes: int = 2 << 30
 ) -> tuple[list[PeerRecord], list[LinkRecord], dict[str, str]]:
     """Records of the testbed's hosts as the peers would publish them if every probe read
     its link's setting (0.2 ms RTT): what a plan should look like before anything runs.
@@ -116,7 +116,7 @@ def nominal_records(
                 maddrs=(),
                 device="cpu",
                 device_name="cpu",
-                flops={"float32": flops_by_speed[cluster.slowdown]},
+                flops=dict(flops_by_speed[cluster.slowdown]),
                 memory_bytes=memory_bytes,
                 total_memory_bytes=2 * memory_bytes,
                 state="idle",
