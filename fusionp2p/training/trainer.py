@@ -249,6 +249,7 @@ def train(
     tokens_per_step = job.batch_size * job.seq_len
     stage_seconds: list[float] = []
     params: dict[str, torch.Tensor] = {}
+    checkpoint_s: float | None = None  # the last checkpoint's cost, reported with the next step
     try:
         bar = _progress(job.steps, progress)
         bar.update(run.step)
@@ -280,10 +281,11 @@ def train(
                     "stage_compute_s": stage_seconds,
                     "time": time.time(),
                 }
-                checkpoint_s = run.maybe_checkpoint() if run.step < job.steps else None
                 if checkpoint_s is not None:
                     row["checkpoint_s"] = checkpoint_s
+                # the step's row first: a checkpoint of step N must never exist without it
                 metrics.write(row)
+                checkpoint_s = run.maybe_checkpoint() if run.step < job.steps else None
                 run.report(loss, force=run.step == job.steps)
                 bar.n = run.step
                 bar.set_postfix_str(
