@@ -41,6 +41,7 @@ from benchmarks.testbed.rate import tcp_rate_mbps
 from benchmarks.testbed.topology import TestbedTopology, TopologyError, load_topology
 from benchmarks.testbed.wan_job import PLANNERS, POLICIES, WanJob, nominal_records, plan_cells
 from benchmarks.testbed.wan_report import write_report
+from fusionp2p.records import TRAIN_FLOPS
 
 logger = logging.getLogger("benchmarks.wan")
 
@@ -69,7 +70,7 @@ def profile_speeds(topo: TestbedTopology, env: dict[str, str]) -> dict[float, di
         [sys.executable, "-c", code, *map(str, speeds)], env=env, capture_output=True, text=True, check=True
     )
     return {
-        float(k): {n: v[n] for n in ("float32", "train_float32")}
+        float(k): {n: v[n] for n in ("float32", TRAIN_FLOPS)}
         for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()
     }
 
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         flops = profile_speeds(topo, env)
         logger.info(
             "emulated devices (training GFLOP/s, one thread): %s",
-            {s: round(f["train_float32"] / 1e9, 1) for s, f in flops.items()},
+            {s: round(f[TRAIN_FLOPS] / 1e9, 1) for s, f in flops.items()},
         )
         peers, links, nominal_clusters = nominal_records(topo, flops)
         dry = plan_cells(job, peers, links, peers[0].peer_id)
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         result: dict[str, Any] = {
             "topology": asdict(topo),
             "job": asdict(job),
-            "devices_gflops": {str(s): f["train_float32"] / 1e9 for s, f in flops.items()},
+            "devices_gflops": {str(s): f[TRAIN_FLOPS] / 1e9 for s, f in flops.items()},
             "devices_matmul_gflops": {str(s): f["float32"] / 1e9 for s, f in flops.items()},
             "nominal": dry,
             "machine": f"{os.cpu_count()} cores, emulated device speeds by sleeping (runtime/throttle.py)",

@@ -32,6 +32,8 @@ __all__ = ["LocalSwarm", "PeerProcess"]
 
 logger = logging.getLogger(__name__)
 
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"  # where a peer listens unless its launcher says otherwise
+
 
 @dataclass
 class PeerProcess:
@@ -96,7 +98,7 @@ class LocalSwarm:
         self.env.setdefault("FUSIONP2P_CACHE", str(self.workdir / "cache"))
         self.peers: list[PeerProcess] = []
         self.launchers = [list(a) for a in (launchers or [[]] * n_peers)]
-        self.host_maddrs = list(host_maddrs or ["/ip4/127.0.0.1/tcp/0"] * n_peers)
+        self.host_maddrs = list(host_maddrs or [LOOPBACK] * n_peers)
         if len(self.launchers) != n_peers or len(self.host_maddrs) != n_peers:
             raise SwarmError(f"launchers and host_maddrs need one entry per peer ({n_peers})")
 
@@ -169,7 +171,7 @@ class LocalSwarm:
         """Starts one more peer that joins through peer 0."""
         self.peer_args.append(list(args))
         self.launchers.append([])
-        self.host_maddrs.append("/ip4/127.0.0.1/tcp/0")
+        self.host_maddrs.append(LOOPBACK)
         peer = self._spawn(len(self.peers), self.initial_peers)
         self.peers.append(peer)
         self._wait_ready(peer, time.monotonic() + timeout)

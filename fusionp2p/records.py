@@ -31,6 +31,7 @@ __all__ = [
     "PEER_STATES",
     "RUN_EVENTS",
     "RUN_EVENT_CHARS",
+    "TRAIN_FLOPS",
     "ExecControl",
     "LeaseRecord",
     "LinkRecord",
@@ -143,6 +144,9 @@ def _checkers(cls: type) -> tuple[tuple[str, Checker], ...]:
     slow: resolved once per class)."""
     hints = get_type_hints(cls)
     return tuple((f.name, _checker(f.name, hints[f.name])) for f in fields(cls))
+
+
+TRAIN_FLOPS = "train_float32"  # PeerRecord.flops key: a transformer block's forward + backward
 
 
 @dataclass(frozen=True)
@@ -259,8 +263,8 @@ class PeerRecord(_WireRecord):
     @property
     def train_flops(self) -> float:
         """The speed plans divide FLOPs by: a transformer block's forward + backward as the
-        peer measured it (``"train_float32"``), else the fp32 matmul speed (declared)."""
-        return self.flops.get("train_float32", self.flops["float32"])
+        peer measured it (``TRAIN_FLOPS``), else the fp32 matmul speed (declared)."""
+        return self.flops.get(TRAIN_FLOPS, self.flops["float32"])
 
 
 @dataclass(frozen=True)

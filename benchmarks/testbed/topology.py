@@ -104,9 +104,14 @@ class TestbedTopology:
                 raise fail(field, f"must be in [{low}, {high}], got {value}")
             return float(value)
 
-        unknown = set(raw) - {"name", "host_mbps", "cluster", "wan"}
-        if unknown:
-            raise fail(sorted(unknown)[0], "unknown key")
+        def table(at: str, entry: Any, keys: set[str]) -> None:
+            if not isinstance(entry, dict):
+                raise fail(at, "must be a table")
+            unknown = set(entry) - keys
+            if unknown:
+                raise fail(f"{at} {sorted(unknown)[0]}".strip(), "unknown key")
+
+        table("", raw, {"name", "host_mbps", "cluster", "wan"})
         name = raw.get("name", "testbed")
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,32}", name):
             raise fail("name", f"1-32 letters, digits, '-' or '_', got {name!r:.40}")
@@ -117,11 +122,7 @@ class TestbedTopology:
         clusters: list[Cluster] = []
         for i, entry in enumerate(entries):
             at = f"[[cluster]] {i + 1}"
-            if not isinstance(entry, dict):
-                raise fail(at, "must be a table")
-            unknown = set(entry) - {"name", "hosts", "host_mbps", "slowdown"}
-            if unknown:
-                raise fail(f"{at} {sorted(unknown)[0]}", "unknown key")
+            table(at, entry, {"name", "hosts", "host_mbps", "slowdown"})
             cname = entry.get("name")
             if not isinstance(cname, str) or not _NAME.match(cname):
                 raise fail(f"{at} name", f"1-8 lowercase letters or digits, got {cname!r:.40}")
@@ -145,11 +146,7 @@ class TestbedTopology:
             raise fail("[[wan]]", "must be an array of tables")
         for i, entry in enumerate(links):
             at = f"[[wan]] {i + 1}"
-            if not isinstance(entry, dict):
-                raise fail(at, "must be a table")
-            unknown = set(entry) - {"between", "mbps", "reverse_mbps", "delay_ms"}
-            if unknown:
-                raise fail(f"{at} {sorted(unknown)[0]}", "unknown key")
+            table(at, entry, {"between", "mbps", "reverse_mbps", "delay_ms"})
             pair = entry.get("between")
             if not isinstance(pair, list) or len(pair) != 2 or pair[0] == pair[1]:
                 raise fail(f"{at} between", f"must name two different clusters, got {pair!r:.60}")

@@ -12,6 +12,7 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -19,10 +20,10 @@ import psutil
 import torch
 
 from fusionp2p.errors import ProfileError
+from fusionp2p.records import TRAIN_FLOPS
 from fusionp2p.runtime.throttle import Throttle
 
 __all__ = [
-    "TRAIN_FLOPS",
     "DeviceProfile",
     "free_memory",
     "measure_device",
@@ -33,7 +34,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _CACHE_VERSION = 2  # 2: TRAIN_FLOPS
-TRAIN_FLOPS = "train_float32"  # a transformer block's forward + backward, FLOP/s (what plans use)
 
 
 @dataclass(frozen=True)
@@ -81,21 +81,37 @@ def free_memory(device: str) -> tuple[int, int]:
     return int(memory.available), int(memory.total)
 
 
+def _rate(
+    device: torch.device,
+    run: Callable[[], object],
+    flops: float,
+    budget_s: float,
+    max_runs: int,
+    throttle: Throttle,
+) -> float:
+    """FLOP/s of ``run`` (``flops`` each), after one warm-up, for ``budget_s`` or ``max_runs``."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def step() -> None:
+        run()
+        sync()
+
+    step()  # warm-up
+    runs, start = 0, time.perf_counter()
+    while True:
+        throttle.run(step)
+        runs += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= budget_s or runs >= max_runs:
+            return flops * runs / elapsed
+
+
 def _time_matmul(
     device: torch.device, dtype: torch.dtype, n: int, budget_s: float, throttle: Throttle
 ) -> float:
     a = torch.randn(n, n, device=device, dtype=torch.float32).to(dtype)
     b = torch.randn(n, n, device=device, dtype=torch.float32).to(dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    torch.matmul(a, b)  # warm-up
-    sync()
-    runs, start = 0, time.perf_counter()
-    while True:
-        throttle.run(lambda: (torch.matmul(a, b), sync()))
-        runs += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= budget_s or runs >= 1000:
-            return 2.0 * n**3 * runs / elapsed
+    return _rate(device, lambda: torch.matmul(a, b), 2.0 * n**3, budget_s, 1000, throttle)
 
 
 class _ReferenceBlock(torch.nn.Module):
@@ -123,21 +139,8 @@ def _time_training(device: torch.device, budget_s: float, throttle: Throttle) ->
     d, heads, b, s = (2048, 16, 8, 512) if device.type == "cuda" else (512, 8, 4, 128)
     block = _ReferenceBlock(d, heads).to(device)
     x = torch.randn(b, s, d, device=device, requires_grad=True)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def step() -> None:
-        block(x).pow(2).mean().backward()
-        sync()
-
-    step()  # warm-up
     flops = 3 * (24 * b * s * d * d + 4 * b * s * s * d)
-    runs, start = 0, time.perf_counter()
-    while True:
-        throttle.run(step)
-        runs += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= budget_s or runs >= 200:
-            return flops * runs / elapsed
+    return _rate(device, lambda: block(x).pow(2).mean().backward(), flops, budget_s, 200, throttle)
 
 
 def measure_device(device: str, *, budget_s: float = 0.5, speed: float = 1.0) -> DeviceProfile:
