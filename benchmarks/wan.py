@@ -14,9 +14,11 @@ their links themselves; once every pair is measured, the data owner runs ``fusio
 train`` once per cell of {equal-number, equal-computation, OP-Fence} x {no compression,
 uniform Top-K, the paper's adaptive Top-K, planned Top-K}: the elected coordinator plans
 the cell's GPT-2 on what the peers published, the stages train it, and the cell reports
-the mean step time after ``warmup_steps``, the plan's estimate and the loss after the
-fixed steps. Writes ``wan.json``, ``wan.md`` and ``wan.png`` under ``--out``, and always
-tears down: peers, the data owner and every namespace, also on failure or Ctrl-C.
+the mean step time after ``warmup_steps``, the plan's estimate, the data owner's
+re-estimate after its first steps (``planning/calibrate.py``: each stage's speed from the
+compute it reported; made before the timed steps) and the loss after the fixed steps.
+Writes ``wan.json``, ``wan.md`` and ``wan.png`` under ``--out``, and always tears down:
+peers, the data owner and every namespace, also on failure or Ctrl-C.
 
 ``--dry-run`` builds nothing: it plans every cell on the topology file's nominal rates.
 """
@@ -177,6 +179,7 @@ def run_cell(
     steps = [json.loads(line) for line in runs[-1].read_text().splitlines() if line.strip()]
     events = [json.loads(line) for line in (runs[-1].parent / "events.jsonl").read_text().splitlines()]
     planned = next(e for e in events if e.get("event") == "planned")
+    calibrated = next((e for e in events if e.get("event") == "calibrated"), {})
     timed_rows = [s for s in steps if s["step"] > job.warmup_steps]
     timed = [s["step_s"] for s in timed_rows]
     row |= {
@@ -185,6 +188,8 @@ def run_cell(
         "clusters": [cluster_of.get(p, "?") for p in planned.get("peers", [])],
         "ratios": planned.get("ratios"),
         "estimate_s": planned.get("estimate_s"),
+        "calibrated_s": calibrated.get("estimate_s"),  # after warm-up, from the stages' compute
+        "calibrated_at": calibrated.get("step"),
         "step_s": statistics.mean(timed),
         "step_sd": statistics.stdev(timed) if len(timed) > 1 else 0.0,
         "loss": steps[-1]["loss"],
@@ -198,10 +203,11 @@ def run_cell(
         "stage_compute_estimate_s": planned.get("stage_compute_estimate_s"),
     }
     logger.info(
-        "cell %s: %.2f s/step (estimate %.2f s), loss %.3f, %d stage(s) on %s",
+        "cell %s: %.2f s/step (estimate %.2f s, after warm-up %s s), loss %.3f, %d stage(s) on %s",
         name,
         row["step_s"],
         row["estimate_s"],
+        f"{row['calibrated_s']:.2f}" if row["calibrated_s"] else "-",
         row["loss"],
         row["stages"],
         "".join(row["clusters"]),

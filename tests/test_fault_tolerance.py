@@ -121,6 +121,11 @@ def test_a_killed_stage_owner_is_planned_around_from_the_last_checkpoint(
     assert restored["step"] == 10 and 0 < restored["redone"] <= K
     final = [e for e in events if e["event"] == "planned"][-1]
     assert killed["peer"] not in final["peers"] and final["plan_version"] >= 2
+    # after its warm-up steps, the first plan was re-estimated from its stages' compute
+    calibrated = next(e for e in events if e["event"] == "calibrated")
+    assert calibrated["plan_version"] == 1 and calibrated["step"] == 5 and calibrated["estimate_s"] > 0
+    first = next(e for e in events if e["event"] == "planned")
+    assert {p[-8:] for p in first["peers"]} <= set(calibrated["speed_factors"])
     _assert_same_training(result.losses, job)
     # what `fusionp2p status` shows: the run as its data owner reported it, with its last events
     (report,) = [r for r in client.runs() if r.run_id == result.run_id]

@@ -32,7 +32,7 @@ class WanJob:
     micro_batch: int = 4
     batch: int = 16
     steps: int = 10
-    warmup_steps: int = 2  # not timed: setup, first allocations
+    warmup_steps: int = 5  # not timed: setup, first allocations, then the 3 steps the re-estimate reads
     max_ratio: float = 20.0  # "planned": the hardest ratio; "uniform": every link's
     lr: float = 1e-3
 

@@ -4,6 +4,7 @@
 - ``infer.py``: the bandwidth and latency of pairs nobody measured, from those measured.
 - ``cost.py``: wire format, compression policies and adaptive ratios (§5.2), CostConfig.
 - ``estimate.py``: sequential and pipelined iteration time and memory of a partition (§3.6).
+- ``calibrate.py``: a plan's estimate again, with speeds from the compute its stages reported.
 - ``chain.py``: vectorized stage/link costs over the topological order.
 - ``cluster.py``: Leiden/Louvain clusters on the bandwidth graph.
 - ``opfence.py``: OP-Fence (§4).

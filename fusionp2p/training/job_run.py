@@ -34,6 +34,7 @@ from fusionp2p.compression import RatioWarmup
 from fusionp2p.errors import ConfigError, CoordinatorError, FusionP2PError, LimitError, SwarmError
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.planning import PlanningError
+from fusionp2p.planning.calibrate import calibrate
 from fusionp2p.records import RUN_EVENT_CHARS, RUN_EVENTS, RunStatusRecord
 from fusionp2p.training.checkpoint import Checkpoint, latest_checkpoint, save_checkpoint
 from fusionp2p.training.corpus import TextCorpus
@@ -199,7 +200,37 @@ class JobRun:
         took = time.perf_counter() - began
         self.step += 1
         self.clock.observe(took, self.pipeline.stage_seconds())
+        if len(self.clock.steps) == self.clock.warmup + self.clock.window:
+            self._calibrate()
         return loss, took
+
+    def _calibrate(self) -> None:
+        """Re-estimates the plan with each stage owner's speed as its compute over the
+        calibration window shows it (``planning.calibrate``); a ``calibrated`` event."""
+        submitted, stages = self.submitted, self.clock.calibrated_stages()
+        if submitted is None or not stages:
+            return
+        owners = [submitted.data_owner, *self.stage_peers]
+        measured = dict(zip(owners, stages, strict=False))
+        try:
+            result = calibrate(
+                submitted.traced.dag, submitted.topology, submitted.plan, submitted.cost, measured
+            )
+        except PlanningError as e:  # only a report: the run goes on without it
+            logger.warning("could not re-estimate plan version %d: %s", self.version, e)
+            return
+        self.events.emit(
+            "calibrated",
+            f"plan version {self.version} re-estimated at {result.iteration_s:.2f} s/step from its "
+            f"stages' measured compute (planned {submitted.plan.iteration_s:.2f} s, measured "
+            f"{self.clock.expected_s or 0:.2f} s)",
+            step=self.step,
+            plan_version=self.version,
+            estimate_s=result.iteration_s,
+            planned_estimate_s=submitted.plan.iteration_s,
+            measured_s=self.clock.expected_s,
+            speed_factors={p[-8:]: round(f, 3) for p, f in result.factors.items()},
+        )
 
     def fetch_state(self) -> dict[str, torch.Tensor]:
         """Every stage's tensors and optimizer state.

@@ -46,6 +46,7 @@ class SubmittedJob:
     topology: Topology
     traced: TracedModel  # the fake trace the plan was checked against
     data_owner: str  # this process's PeerID: the plan's data owner
+    cost: CostConfig  # what the plan's estimate assumed
 
     @property
     def epoch(self) -> int:
@@ -175,4 +176,4 @@ async def submit_job(
     policy = compression_policy(job.compression, job.max_ratio)
     cost = CostConfig(n_micro_batches=job.n_micro_batches, compression=policy)
     plan = Plan.from_records(records, traced.dag, topo, cost, method=job.plan_method)
-    return SubmittedJob(run_id, plan, reply, topo, traced, transport.peer_id)
+    return SubmittedJob(run_id, plan, reply, topo, traced, transport.peer_id, cost)

@@ -81,6 +81,14 @@ class StepClock:
         slow = seconds > self.factor * expected and seconds - expected >= self.min_excess_s
         self.slow_in_row = self.slow_in_row + 1 if slow else 0
 
+    def calibrated_stages(self) -> list[float] | None:
+        """Per stage: the median compute seconds over the calibration window, once it ran."""
+        window = self.stages[self.warmup : self.warmup + self.window]
+        if len(window) < self.window or not window:
+            return None
+        n = min(len(s) for s in window)
+        return [statistics.median(s[i] for s in window) for i in range(n)]
+
     def straggling(self) -> bool:
         """Whether the last ``patience`` steps were all slower than ``factor x`` expected."""
         return self.slow_in_row >= self.patience
