@@ -17,7 +17,8 @@ the cell's GPT-2 on what the peers published, the stages train it, and the cell 
 the mean step time after ``warmup_steps``, the plan's estimate, the data owner's
 re-estimate after its first steps (``planning/calibrate.py``: each stage's speed from the
 compute it reported; made before the timed steps) and the loss after the fixed steps.
-Writes ``wan.json``, ``wan.md`` and ``wan.png`` under ``--out``, and always tears down:
+``--model resnet18`` runs the matrix on a ResNet-18 and scikit-learn's digits instead.
+Writes ``wan.json``, ``wan.md`` and ``wan.png`` under ``--out`` (``wan-resnet18.*``), and always tears down:
 peers, the data owner and every namespace, also on failure or Ctrl-C.
 
 ``--dry-run`` builds nothing: it plans every cell on the topology file's nominal rates.
@@ -41,7 +42,15 @@ from typing import Any
 from benchmarks.testbed.netns import Host, Testbed
 from benchmarks.testbed.rate import tcp_rate_mbps
 from benchmarks.testbed.topology import TestbedTopology, TopologyError, load_topology
-from benchmarks.testbed.wan_job import PLANNERS, POLICIES, WanJob, nominal_records, plan_cells
+from benchmarks.testbed.wan_job import (
+    MODELS,
+    PLANNERS,
+    POLICIES,
+    WanJob,
+    nominal_records,
+    order_spread,
+    plan_cells,
+)
 from benchmarks.testbed.wan_report import write_report
 from fusionp2p.records import TRAIN_FLOPS
 
@@ -233,6 +242,7 @@ def _cells(names: list[str] | None) -> list[tuple[str, str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.wan", description=__doc__.split("\n")[0])
     parser.add_argument("--topology", default=str(DEFAULT_TOPOLOGY), help="testbed file (default: paper3)")
+    parser.add_argument("--model", choices=MODELS, default="gpt2", help="the job every cell trains")
     parser.add_argument("--steps", type=int, default=WanJob.steps, help="steps per cell")
     parser.add_argument("--warmup-steps", type=int, default=WanJob.warmup_steps, help="untimed first steps")
     parser.add_argument("--cells", nargs="+", metavar="PLANNER/COMPRESSION", help="run only these cells")
@@ -254,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     except TopologyError as e:
         print(f"wan: error: {e}", file=sys.stderr)
         return 2
-    job = replace(WanJob(), steps=args.steps, warmup_steps=args.warmup_steps)
+    job = replace(WanJob(), model=args.model, steps=args.steps, warmup_steps=args.warmup_steps)
     if not 0 <= job.warmup_steps < job.steps:
         print("wan: error: --warmup-steps must be below --steps", file=sys.stderr)
         return 2
@@ -273,12 +283,14 @@ def main(argv: list[str] | None = None) -> int:
         dry = plan_cells(job, peers, links, peers[0].peer_id)
         for row in dry:
             row["clusters"] = [nominal_clusters[p] for p in row.pop("peers")]
+        spread = order_spread(job, topo, flops)
         result: dict[str, Any] = {
             "topology": asdict(topo),
             "job": asdict(job),
             "devices_gflops": {str(s): f[TRAIN_FLOPS] / 1e9 for s, f in flops.items()},
             "devices_matmul_gflops": {str(s): f["float32"] / 1e9 for s, f in flops.items()},
             "nominal": dry,
+            "order_spread": spread,
             "machine": f"{os.cpu_count()} cores, emulated device speeds by sleeping (runtime/throttle.py)",
         }
         if args.dry_run:

@@ -7,8 +7,8 @@ import torch
 
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.records import PeerRecord
-from fusionp2p.runtime.losses import lm_loss
-from fusionp2p.training.corpus import TextCorpus
+from fusionp2p.runtime.losses import LOSSES
+from fusionp2p.training.data import load_data
 from fusionp2p.training.job_spec import JobSpec
 
 
@@ -40,14 +40,22 @@ def reference_losses(job: JobSpec) -> list[float]:
         eps=opt_cfg.eps,
         weight_decay=opt_cfg.weight_decay,
     )
-    corpus = TextCorpus.load(job.data_path, seq_len=job.seq_len, max_bytes=job.max_bytes)
-    batches = corpus.batches(job.micro_batch_size, job.n_micro_batches, seed=job.data_seed)
+    data = load_data(
+        job.data_kind,
+        path=job.data_path,
+        seq_len=job.seq_len,
+        max_bytes=job.max_bytes,
+        image_size=job.image_size,
+        channels=job.image_channels,
+    )
+    batches = data.batches(job.micro_batch_size, job.n_micro_batches, seed=job.data_seed)
+    loss_fn = LOSSES[job.loss]
     losses = []
     for _ in range(job.steps):
         opt.zero_grad()
         values = []
         for x, y in next(batches):
-            loss = lm_loss([model(x)], y)
+            loss = loss_fn([model(x)], y)
             values.append(loss.item())
             (loss / job.n_micro_batches).backward()
         opt.step()

@@ -10,6 +10,7 @@ older epoch, or signed by a peer without the lease, is refused by the stages.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import statistics
 import subprocess
@@ -113,6 +114,30 @@ def test_a_job_is_planned_by_the_coordinator_and_trains_like_one_process(
     assert (result.run_dir / "checkpoints" / "step-000025.safetensors").is_file() and result.weights.is_file()
     assert result.pretrained is not None and (result.pretrained / "config.json").is_file()
     assert len(result.stage_seconds) == 1 + len(set(submitted.plan.peer_ids))
+
+
+def test_a_resnet_trains_on_the_digits_through_the_coordinator_like_one_process(
+    client: Swarm, tmp_path: Path
+) -> None:
+    job = _job(
+        tmp_path,
+        name="digits-resnet",
+        family="resnet",
+        model_config={"depth": 18, "num_classes": 10, "width": 8},
+        data_kind="digits",
+        image_size=32,
+        batch_size=8,
+        micro_batch_size=4,
+        steps=4,
+    )
+    lines: list[str] = []
+    result = client.train(job, progress=False, out=lines.append)
+    assert any("1797 images (3x32x32, 10 classes)" in line for line in lines), lines
+    assert result.submitted.data_owner not in result.submitted.plan.peer_ids  # the peers run the ResNet
+    # images and labels stay here; the stages' gradients are exact: one process's losses
+    assert result.losses == pytest.approx(reference_losses(job), rel=2e-4, abs=2e-4)
+    row = json.loads((result.run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["images"] == 4 * 8 and row["images_per_s"] > 0
 
 
 def _forger_publishes(local: LocalSwarm, records_of: object, tmp: Path) -> str:
@@ -241,6 +266,9 @@ def _p2pd_pids() -> set[int]:
             "too few peers: the job needs 9 idle peer(s)",
         ),
         ("name = [1,\n", "not valid TOML"),
+        ('name = "x"\n[data]\nkind = "digits"\n', "[data] kind: 'digits' feeds images"),
+        ('name = "x"\n[data]\nkind = "pictures"\n', "[data] kind: must be one of"),
+        ('name = "x"\n[model]\nfamily = "resnet"\n', "[data] kind: 'text' feeds token ids"),
     ],
 )
 def test_train_cli_refuses_a_bad_job_in_one_line(client: Swarm, tmp_path: Path, toml: str, says: str) -> None:

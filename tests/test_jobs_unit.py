@@ -19,6 +19,7 @@ from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.opdag.trace import trace_spec
 from fusionp2p.records import LeaseRecord, LinkRecord
 from fusionp2p.training.corpus import TextCorpus
+from fusionp2p.training.images import DigitImages
 from fusionp2p.training.job_spec import EXAMPLE_CONFIG, JobSpec, compression_policy
 
 A, B, C = (
@@ -120,6 +121,30 @@ def test_the_corpus_cuts_byte_tokens_into_seeded_batches(tmp_path) -> None:
         TextCorpus.load(str(tmp_path / "nope"), seq_len=16, max_bytes=1000)
     stdlib = TextCorpus.load("", seq_len=64, max_bytes=50_000)  # the default: Python's own source
     assert "python3" in stdlib.source and len(stdlib.tokens) == 50_000
+
+
+def test_the_digits_are_scaled_labelled_images_in_seeded_batches() -> None:
+    job = JobSpec(family="resnet", model_config={"depth": 18}, data_kind="digits", image_size=32)
+    job = job.with_(batch_size=6, micro_batch_size=3)
+    assert job.loss == "classification"
+    assert job.model_spec().input_shape == (3, 3, 32, 32) and job.model_spec().input_dtype == "float32"
+    data = DigitImages.load(image_size=32, channels=3)
+    assert data.n_samples == 1797 and data.images.shape == (1797, 3, 32, 32)
+    assert float(data.images.min()) >= 0.0 and float(data.images.max()) <= 1.0
+    first, again = next(data.batches(3, 2, seed=4)), next(data.batches(3, 2, seed=4))
+    assert [(x.shape, y.shape) for x, y in first] == [((3, 3, 32, 32), (3,))] * 2
+    assert all(
+        torch.equal(x, x2) and torch.equal(y, y2) for (x, y), (x2, y2) in zip(first, again, strict=True)
+    )
+    # each image is its label's: the grey digit, the same in every channel
+    native = DigitImages.load()
+    x, y = next(native.batches(1, 1, seed=4))[0]
+    assert x.shape == (1, 1, 8, 8) and 0 <= int(y) < 10
+    index = int(torch.nonzero((native.images == x[0]).flatten(1).all(1))[0])
+    assert int(native.labels[index]) == int(y)
+    assert torch.equal(first[0][0][:, 0], first[0][0][:, 2])
+    with pytest.raises(ConfigError, match=r"\[data\] image_size"):
+        JobSpec(data_kind="digits", image_size=4)
 
 
 def test_a_job_request_speaks_only_for_its_sender() -> None:

@@ -158,4 +158,24 @@ def test_the_wan_dry_run_plans_every_cell_on_the_nominal_rates(tmp_path: Path) -
     for policy in ("none", "uniform", "adaptive", "planned"):
         assert by["op-fence", policy]["estimate_s"] <= by["equal-number", policy]["estimate_s"]
     assert set(by["op-fence", "planned"]["clusters"]) == {"a"}  # the fast, well-connected site
+    # the baselines' PeerID order is a draw; OP-Fence beats every draw
+    spread = json.loads((tmp_path / "wan-dry-run.json").read_text())["order_spread"]
+    assert len(spread["equal-number/none"]) == spread["orders"] == 40
+    assert max(spread["op-fence/planned"]) < min(spread["equal-number/none"])
     assert _ours() == []
+
+
+def test_the_wan_matrix_also_plans_a_resnet18_on_the_digits(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.wan", "--model", "resnet18", "--dry-run", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "FUSIONP2P_CACHE": str(tmp_path / "cache")},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((tmp_path / "wan-resnet18-dry-run.json").read_text())
+    assert result["job"]["model"] == "resnet18" and len(result["nominal"]) == 12
+    assert "ResNet-18" in (tmp_path / "wan-resnet18-dry-run.md").read_text()
+    by = {(r["planner"], r["compression"]): r["estimate_s"] for r in result["nominal"]}
+    assert by["op-fence", "none"] <= by["equal-number", "none"]

@@ -1,5 +1,6 @@
-"""The WAN benchmark's job and matrix: one GPT-2 job file per (planner, compression) cell,
-and the cost model's estimate of every cell on a topology's nominal rates (a dry run)."""
+"""The WAN benchmark's job and matrix: one job file per (planner, compression) cell, of a
+byte-level GPT-2 on stdlib text or a ResNet-18 on the scaled digits, and the cost model's
+estimate of every cell on a topology's nominal rates (a dry run)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from fusionp2p.planning import CostConfig, Topology
 from fusionp2p.records import LinkRecord, PeerRecord
 from fusionp2p.training.job_spec import JobSpec, compression_policy
 
-__all__ = ["PLANNERS", "POLICIES", "WanJob", "nominal_records", "plan_cells"]
+__all__ = ["MODELS", "PLANNERS", "POLICIES", "WanJob", "nominal_records", "order_spread", "plan_cells"]
+
+MODELS = ("gpt2", "resnet18")
 
 PLANNERS = ("equal-number", "equal-computation", "op-fence")
 POLICIES = ("none", "uniform", "adaptive", "planned")
@@ -23,8 +26,11 @@ _B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 
 @dataclass(frozen=True)
 class WanJob:
-    """The model and training geometry every cell runs (a byte-level GPT-2 on stdlib text)."""
+    """The model and training geometry every cell runs: a byte-level GPT-2 on stdlib text
+    (``model`` "gpt2") or a ResNet-18 on scikit-learn's digits scaled to ``image_size``
+    pixels ("resnet18"; ``n_*`` and ``seq_len`` are the GPT-2's)."""
 
+    model: str = "gpt2"
     n_embd: int = 384
     n_layer: int = 8
     n_head: int = 6
@@ -35,6 +41,7 @@ class WanJob:
     warmup_steps: int = 5  # not timed: setup, first allocations, then the 3 steps the re-estimate reads
     max_ratio: float = 20.0  # "planned": the hardest ratio; "uniform": every link's
     lr: float = 1e-3
+    image_size: int = 128  # resnet18: a 224-pixel ImageNet ResNet's cost at a third of the FLOPs
 
     @property
     def n_micro_batches(self) -> int:
@@ -46,22 +53,7 @@ class WanJob:
         return f"""\
 name = "wan-{planner}-{policy}"
 
-[model]
-family = "gpt2"
-seed = 0
-
-[model.config]
-vocab_size = 256
-n_positions = {self.seq_len}
-n_embd = {self.n_embd}
-n_layer = {self.n_layer}
-n_head = {self.n_head}
-
-[data]
-path = ""
-seq_len = {self.seq_len}
-max_bytes = 2000000
-
+{self._model_and_data()}
 [train]
 steps = {self.steps}
 batch_size = {self.batch}
@@ -84,6 +76,47 @@ max_replans = 0
 dir = "{out_dir}"
 """
 
+    def _model_and_data(self) -> str:
+        if self.model == "resnet18":
+            return f"""[model]
+family = "resnet"
+seed = 0
+
+[model.config]
+depth = 18
+num_classes = 10
+
+[data]
+kind = "digits"
+image_size = {self.image_size}
+channels = 3
+"""
+        return f"""[model]
+family = "gpt2"
+seed = 0
+
+[model.config]
+vocab_size = 256
+n_positions = {self.seq_len}
+n_embd = {self.n_embd}
+n_layer = {self.n_layer}
+n_head = {self.n_head}
+
+[data]
+path = ""
+seq_len = {self.seq_len}
+max_bytes = 2000000
+"""
+
+    def describe(self) -> str:
+        """The model and its input, for the report."""
+        if self.model == "resnet18":
+            return (
+                f"ResNet-18 (torchvision's layout), scikit-learn's digits scaled to {self.image_size}x"
+                f"{self.image_size}x3"
+            )
+        return f"GPT-2, n_embd {self.n_embd}, {self.n_layer} layers, {self.seq_len} tokens"
+
     def spec(self, planner: str = "op-fence", policy: str = "none") -> JobSpec:
         return JobSpec.from_toml(self.toml(planner, policy, n_peers=1, out_dir="unused"))
 
@@ -100,15 +133,20 @@ def _peer_id(name: str) -> str:
 
 
 def nominal_records(
-    topo: TestbedTopology, flops_by_speed: dict[float, dict[str, float]], *, memory_bytes: int = 2 << 30
+    topo: TestbedTopology,
+    flops_by_speed: dict[float, dict[str, float]],
+    *,
+    memory_bytes: int = 2 << 30,
+    salt: str = "",
 ) -> tuple[list[PeerRecord], list[LinkRecord], dict[str, str]]:
     """Records of the testbed's hosts as the peers would publish them if every probe read
     its link's setting (0.2 ms RTT): what a plan should look like before anything runs.
-    Returns (peers, links, cluster of each peer); the first host is the data owner."""
+    Returns (peers, links, cluster of each peer); the first host is the data owner. Another
+    ``salt`` gives the hosts other PeerIDs, so another order for the baselines."""
     peers, cluster_of = [], {}
     hosts = [(c, i) for c in topo.clusters for i in range(c.hosts)]
     for cluster, i in hosts:
-        pid = _peer_id(f"{cluster.name}{i}")
+        pid = _peer_id(f"{salt}{cluster.name}{i}")
         cluster_of[pid] = cluster.name
         peers.append(
             PeerRecord(
@@ -160,3 +198,25 @@ def plan_cells(
                 }
             )
     return rows
+
+
+def order_spread(
+    job: WanJob, topo: TestbedTopology, flops_by_speed: dict[float, dict[str, float]], orders: int = 40
+) -> dict[str, Any]:
+    """The estimate of equal-number/none and of OP-Fence/planned on nominal rates over
+    ``orders`` random PeerID assignments: the baselines take peers in PeerID order, so
+    their cost is a draw; OP-Fence's is not."""
+    traced = trace_spec(job.spec().model_spec(), fake=True)
+    out: dict[str, list[float]] = {"equal-number/none": [], "op-fence/planned": []}
+    for k in range(orders):
+        peers, links, _ = nominal_records(topo, flops_by_speed, salt=f"order{k}-")
+        topology = Topology.from_records(peers, links)
+        for cell, values in out.items():
+            planner, _, policy = cell.partition("/")
+            cost = CostConfig(
+                n_micro_batches=job.n_micro_batches, compression=compression_policy(policy, job.max_ratio)
+            )
+            values.append(
+                plan_job(traced.dag, topology, peers[0].peer_id, method=planner, cost=cost).iteration_s
+            )
+    return {"orders": orders, **{cell: sorted(values) for cell, values in out.items()}}

@@ -1,4 +1,5 @@
-"""The WAN benchmark's outputs: ``wan.json``, a Markdown table with the targets, a bar chart."""
+"""The WAN benchmark's outputs: ``wan.json``, a Markdown table with the targets, a bar chart
+(``wan-resnet18.*`` for the ResNet-18 matrix)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.testbed.wan_job import PLANNERS, POLICIES
+from benchmarks.testbed.wan_job import PLANNERS, POLICIES, WanJob
 
 __all__ = ["targets", "write_report"]
 
@@ -112,7 +113,7 @@ def _markdown(result: dict[str, Any], dry_run: bool) -> str:
     wan = ", ".join(f"{w['src']}->{w['dst']} {w['mbps']:g}" for w in topo["wan"])
     lines += [
         f"Clusters {clusters}. WAN (Mbit/s): {wan}. The first host of the first cluster is the data owner.",
-        f"Model: GPT-2, n_embd {job['n_embd']}, {job['n_layer']} layers, {job['seq_len']} tokens, "
+        f"Model: {WanJob(**job).describe()}, "
         f"micro-batch {job['micro_batch']}, {job['batch'] // job['micro_batch']} micro-batches per step; "
         f"{job['steps']} steps, "
         f"the first {job['warmup_steps']} untimed; Top-K max ratio {job['max_ratio']:g}.",
@@ -191,6 +192,18 @@ def _markdown(result: dict[str, Any], dry_run: bool) -> str:
         f"| {r['estimate_s']:.2f} |"
         for r in result["nominal"]
     ]
+    spread = result.get("order_spread")
+    if spread:
+        naive, ours = spread["equal-number/none"], spread["op-fence/planned"]
+        mid = naive[len(naive) // 2]
+        lines += [
+            "",
+            f"The baselines take peers in PeerID order, a draw: over {spread['orders']} random PeerID "
+            f"assignments on the nominal rates, equal-number/none is estimated at {naive[0]:.2f}-"
+            f"{naive[-1]:.2f} s (median {mid:.2f} s), OP-Fence/planned at {ours[0]:.2f}-{ours[-1]:.2f} s: "
+            f"{mid / ours[len(ours) // 2]:.2f}x at the median, {naive[0] / ours[0]:.2f}-"
+            f"{naive[-1] / ours[-1]:.2f}x over the draws.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -230,14 +243,16 @@ def _chart(result: dict[str, Any], path: Path) -> None:
 
 
 def write_report(result: dict[str, Any], out: Path, *, dry_run: bool) -> None:
-    """Writes wan.json, wan.md (and wan.png after a run) under ``out``; prints the table."""
+    """Writes wan.json, wan.md (and wan.png after a run) under ``out`` (wan-resnet18.* for
+    the ResNet); prints the table."""
     out.mkdir(parents=True, exist_ok=True)
-    stem = "wan-dry-run" if dry_run else "wan"
+    model = result["job"].get("model", "gpt2")
+    stem = ("wan" if model == "gpt2" else f"wan-{model}") + ("-dry-run" if dry_run else "")
     if not dry_run:
         result["targets"] = targets(result.get("cells", []))
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     text = _markdown(result, dry_run)
     (out / f"{stem}.md").write_text(text)
     if not dry_run and result.get("cells"):
-        _chart(result, out / "wan.png")
+        _chart(result, out / f"{stem}.png")
     print(text)

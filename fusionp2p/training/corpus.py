@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from fusionp2p.errors import ConfigError
+from fusionp2p.training.data import Batch, seeded_batches
 
 __all__ = ["BYTE_VOCAB", "TextCorpus", "stdlib_source_dir"]
 
@@ -85,21 +86,24 @@ class TextCorpus:
         start = index * self.seq_len
         return self.tokens[start : start + self.seq_len].long()
 
-    def batches(
-        self, micro_batch_size: int, n_micro_batches: int, *, seed: int
-    ) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    @property
+    def unit(self) -> str:
+        return "tokens"
+
+    @property
+    def units_per_sample(self) -> int:
+        return self.seq_len
+
+    def describe(self) -> str:
+        return f"{len(self.tokens) / 1e6:.1f} MB of text from {self.source} ({self.n_samples} samples)"
+
+    def batches(self, micro_batch_size: int, n_micro_batches: int, *, seed: int) -> Iterator[Batch]:
         """Endless iterations, each ``n_micro_batches`` of ``(inputs, labels)`` pairs of shape
         ``[micro_batch_size, seq_len]``, drawn without replacement in a seeded order. The
         labels are the inputs: the ``lm`` loss predicts each next token."""
-        generator = torch.Generator().manual_seed(seed)
-        per_iteration = micro_batch_size * n_micro_batches
-        while True:
-            order = torch.randperm(self.n_samples, generator=generator).tolist()
-            for first in range(0, len(order) - per_iteration + 1, per_iteration):
-                picks = order[first : first + per_iteration]
-                samples = [self.sample(i) for i in picks]
-                micro = [
-                    torch.stack(samples[k : k + micro_batch_size])
-                    for k in range(0, per_iteration, micro_batch_size)
-                ]
-                yield [(x, x) for x in micro]
+
+        def micro_batch(picks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            x = torch.stack([self.sample(i) for i in picks])
+            return x, x
+
+        return seeded_batches(self.n_samples, micro_batch, micro_batch_size, n_micro_batches, seed=seed)

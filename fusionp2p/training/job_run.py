@@ -37,7 +37,7 @@ from fusionp2p.planning import PlanningError
 from fusionp2p.planning.calibrate import calibrate
 from fusionp2p.records import RUN_EVENT_CHARS, RUN_EVENTS, RunStatusRecord
 from fusionp2p.training.checkpoint import Checkpoint, latest_checkpoint, save_checkpoint
-from fusionp2p.training.corpus import TextCorpus
+from fusionp2p.training.data import TrainingData
 from fusionp2p.training.job_spec import JobSpec
 from fusionp2p.training.submit import SubmittedJob, plan_job_id
 from fusionp2p.training.supervision import CheckpointPolicy, EventLog, StepClock
@@ -71,7 +71,7 @@ class JobRun:
         self,
         swarm: Swarm,
         job: JobSpec,
-        corpus: TextCorpus,
+        data: TrainingData,
         run_id: str,
         run_dir: Path,
         events: EventLog,
@@ -81,7 +81,7 @@ class JobRun:
     ) -> None:
         self.swarm = swarm
         self.job = job
-        self.corpus = corpus
+        self.data = data
         self.run_id = run_id
         self.run_dir = run_dir
         self.events = events
@@ -149,6 +149,7 @@ class JobRun:
             self.job.model_spec(),
             plan=submitted.plan,
             optimizer=self.job.optimizer_config,
+            loss=self.job.loss,
             registry=self.registry,
             epoch=submitted.epoch,
             job=submitted.run_id,
@@ -179,7 +180,7 @@ class JobRun:
     def _rewind(self, step: int) -> None:
         """The data from ``step`` on: the same batches an uninterrupted run would see."""
         job = self.job
-        self._batches = self.corpus.batches(job.micro_batch_size, job.n_micro_batches, seed=job.data_seed)
+        self._batches = self.data.batches(job.micro_batch_size, job.n_micro_batches, seed=job.data_seed)
         for _ in range(step):
             next(self._batches)
 

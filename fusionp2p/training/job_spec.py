@@ -17,6 +17,7 @@ from fusionp2p.config import NAME_RE, OptimizerConfig
 from fusionp2p.errors import ConfigError
 from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.planning.cost import MAX_RATIO_LIMIT, PLANNED_MAX_RATIO, CompressionPolicy
+from fusionp2p.training.data import DATA_KINDS
 
 __all__ = ["COMPRESSIONS", "EXAMPLE_CONFIG", "JobSpec", "compression_policy"]
 
@@ -41,9 +42,13 @@ n_layer = 4
 n_head = 4
 
 [data]
+kind = "text"                  # "text" (byte tokens, a causal LM) or "digits" (scikit-learn's
+                               # bundled digits, a classifier such as family "resnet")
 path = ""                      # a text file or a directory of text; "" = the Python stdlib's source
 seq_len = 64                   # tokens per sample
 max_bytes = 4000000            # read at most this much text
+image_size = 32                # "digits": the 8x8 images scaled to this many pixels a side
+channels = 3                   # "digits": the grey image repeated over this many channels
 
 [train]
 steps = 50
@@ -82,7 +87,10 @@ _TOML_FIELDS: dict[tuple[str, str], str] = {
     ("model", "family"): "family",
     ("model", "seed"): "model_seed",
     ("model", "config"): "model_config",
+    ("data", "kind"): "data_kind",
     ("data", "path"): "data_path",
+    ("data", "image_size"): "image_size",
+    ("data", "channels"): "image_channels",
     ("data", "seq_len"): "seq_len",
     ("data", "max_bytes"): "max_bytes",
     ("train", "steps"): "steps",
@@ -159,7 +167,10 @@ class JobSpec:
     family: str = "gpt2"
     model_config: dict[str, Any] = field(default_factory=_default_model)
     model_seed: int = 0
+    data_kind: str = "text"  # or "digits": images and labels, a classification loss
     data_path: str = ""  # text file or directory on the data owner; "" = the stdlib's source
+    image_size: int = 32
+    image_channels: int = 3
     seq_len: int = 64
     max_bytes: int = 4_000_000
     steps: int = 50
@@ -192,6 +203,10 @@ class JobSpec:
         if not isinstance(self.model_config, dict):
             raise ConfigError("[model.config]: must be a table of the family's config keys")
         _check_int("model_seed", self.model_seed, 0, (1 << 63) - 1)
+        if self.data_kind not in DATA_KINDS:
+            raise ConfigError(f"[data] kind: must be one of {list(DATA_KINDS)}, got {self.data_kind!r:.40}")
+        _check_int("image_size", self.image_size, 8, 1024)
+        _check_int("image_channels", self.image_channels, 1, 4)
         if not isinstance(self.data_path, str):
             raise ConfigError(f"[data] path: must be a string, got {self.data_path!r:.40}")
         _check_int("seq_len", self.seq_len, 2, 1 << 16)
@@ -248,8 +263,22 @@ class JobSpec:
     def run_dir(self) -> Path:
         return Path(self.out_dir) / self.name
 
+    @property
+    def loss(self) -> str:
+        """The data owner's loss (``runtime.losses.LOSSES``): next-token or classification."""
+        return "lm" if self.data_kind == "text" else "classification"
+
     def model_spec(self) -> ModelSpec:
-        """The model every stage builds: one micro-batch of ``seq_len`` token ids as input."""
+        """The model every stage builds: one micro-batch of ``seq_len`` token ids as input,
+        or of ``image_channels`` x ``image_size``² images."""
+        if self.data_kind == "digits":
+            return ModelSpec(
+                self.family,
+                dict(self.model_config),
+                input_shape=(self.micro_batch_size, self.image_channels, self.image_size, self.image_size),
+                input_dtype="float32",
+                seed=self.model_seed,
+            )
         return ModelSpec(
             self.family,
             dict(self.model_config),

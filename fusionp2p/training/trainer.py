@@ -26,9 +26,12 @@ import torch
 from safetensors.torch import save_file
 
 from fusionp2p.errors import ConfigError
-from fusionp2p.opdag.families import ModelRegistry
+from fusionp2p.opdag.families import BUILTIN_FAMILIES, ModelRegistry
+from fusionp2p.opdag.lm_families import LM_FAMILIES
 from fusionp2p.planning import cluster_peers
-from fusionp2p.training.corpus import BYTE_VOCAB, TextCorpus
+from fusionp2p.training.corpus import BYTE_VOCAB
+from fusionp2p.training.data import load_data
+from fusionp2p.training.images import DIGIT_CLASSES
 from fusionp2p.training.job_run import JobRun, StepFailed, resumable
 from fusionp2p.training.job_spec import JobSpec
 from fusionp2p.training.submit import SubmittedJob, new_run_id
@@ -128,8 +131,9 @@ class _Metrics:
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.board is not None:
-            for key in ("loss", "tokens_per_s", "step_s"):
-                self.board.add_scalar(key, row[key], row["step"])
+            for key in ("loss", "tokens_per_s", "images_per_s", "step_s"):
+                if key in row:
+                    self.board.add_scalar(key, row[key], row["step"])
 
     def close(self) -> None:
         self.file.close()
@@ -152,16 +156,37 @@ def _console(out: Any, progress: bool) -> Any:
     return lambda line: tqdm.write(line, file=sys.stderr)
 
 
+_LM_NAMES = frozenset(f.name for f in LM_FAMILIES)  # built-in families that take token ids
+_BUILTIN_NAMES = frozenset(f.name for f in BUILTIN_FAMILIES)
+
+
 def preflight(job: JobSpec, registry: ModelRegistry | None = None) -> None:
     """Checks what can be checked before the swarm is contacted: the model family is known
-    here and its config valid, and the vocabulary holds the byte-level tokens.
+    here and its config valid, the data kind suits it (text for a causal LM, images for a
+    built-in vision family), the vocabulary holds the byte-level tokens, a classifier has
+    the digits' classes.
 
     Raises:
         ConfigError: one line naming the field.
     """
-    vocab = job.model_config.get("vocab_size", BYTE_VOCAB)
-    if not isinstance(vocab, int) or vocab < BYTE_VOCAB:
-        raise ConfigError(f"[model.config] vocab_size: byte-level tokens need >= {BYTE_VOCAB}, got {vocab}")
+    lm = job.family in _LM_NAMES
+    if job.data_kind == "text":
+        if job.family in _BUILTIN_NAMES and not lm:
+            raise ConfigError(f"[data] kind: 'text' feeds token ids to a causal LM, not to '{job.family}'")
+        vocab = job.model_config.get("vocab_size", BYTE_VOCAB)
+        if not isinstance(vocab, int) or vocab < BYTE_VOCAB:
+            raise ConfigError(
+                f"[model.config] vocab_size: byte-level tokens need >= {BYTE_VOCAB}, got {vocab}"
+            )
+    else:
+        if lm:
+            raise ConfigError(f"[data] kind: '{job.data_kind}' feeds images, not token ids to '{job.family}'")
+        for key in ("num_classes", "classes"):
+            classes = job.model_config.get(key, DIGIT_CLASSES)
+            if isinstance(classes, int) and classes < DIGIT_CLASSES:
+                raise ConfigError(
+                    f"[model.config] {key}: the digits have {DIGIT_CLASSES} classes, got {classes}"
+                )
     spec = job.model_spec()
     spec.resolve(registry or ModelRegistry.for_data_owner(spec.family))
 
@@ -205,8 +230,15 @@ def train(
             ``max_replans`` re-plans did not get the run through.
     """
     preflight(job, registry)
-    corpus = TextCorpus.load(job.data_path, seq_len=job.seq_len, max_bytes=job.max_bytes)
-    out(f"data: {len(corpus.tokens) / 1e6:.1f} MB of text from {corpus.source} ({corpus.n_samples} samples)")
+    data = load_data(
+        job.data_kind,
+        path=job.data_path,
+        seq_len=job.seq_len,
+        max_bytes=job.max_bytes,
+        image_size=job.image_size,
+        channels=job.image_channels,
+    )
+    out(f"data: {data.describe()}")
     checkpoint = None
     if resume:
         found = resumable(job)
@@ -226,7 +258,7 @@ def train(
     run = JobRun(
         swarm,
         job,
-        corpus,
+        data,
         run_id,
         run_dir,
         events,
@@ -246,7 +278,7 @@ def train(
     submitted = run.start(checkpoint)
     out(describe_submitted(submitted))
     metrics = _Metrics(run_dir)
-    tokens_per_step = job.batch_size * job.seq_len
+    per_step, unit = job.batch_size * data.units_per_sample, data.unit
     stage_seconds: list[float] = []
     params: dict[str, torch.Tensor] = {}
     checkpoint_s: float | None = None  # the last checkpoint's cost, reported with the next step
@@ -272,9 +304,9 @@ def train(
                 row = {
                     "step": run.step,
                     "loss": loss,
-                    "tokens": run.step * tokens_per_step,
+                    unit: run.step * per_step,
                     "step_s": took,
-                    "tokens_per_s": tokens_per_step / took,
+                    f"{unit}_per_s": per_step / took,
                     "epoch": run.submitted.epoch,
                     "plan_version": run.version,
                     "peers": run.stage_peers,
@@ -289,7 +321,7 @@ def train(
                 run.report(loss, force=run.step == job.steps)
                 bar.n = run.step
                 bar.set_postfix_str(
-                    f"loss {loss:.3f}, {row['tokens_per_s']:.0f} tok/s, plan v{run.version}, "
+                    f"loss {loss:.3f}, {row[f'{unit}_per_s']:.0f} {unit[:3]}/s, plan v{run.version}, "
                     f"slowest {who} ({stage_seconds[slowest] if stage_seconds else 0:.2f} s)"
                 )
                 bar.refresh()
