@@ -40,14 +40,7 @@ def reference_losses(job: JobSpec) -> list[float]:
         eps=opt_cfg.eps,
         weight_decay=opt_cfg.weight_decay,
     )
-    data = load_data(
-        job.data_kind,
-        path=job.data_path,
-        seq_len=job.seq_len,
-        max_bytes=job.max_bytes,
-        image_size=job.image_size,
-        channels=job.image_channels,
-    )
+    data = load_data(job)
     batches = data.batches(job.micro_batch_size, job.n_micro_batches, seed=job.data_seed)
     loss_fn = LOSSES[job.loss]
     losses = []

@@ -5,9 +5,14 @@ for classifiers. Either way the samples never leave the data owner's process.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+from fusionp2p.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fusionp2p.training.job_spec import JobSpec
 
 __all__ = ["DATA_KINDS", "Batch", "TrainingData", "load_data", "seeded_batches"]
 
@@ -57,23 +62,21 @@ def seeded_batches(
             yield [sample(picks[k : k + micro_batch_size]) for k in range(0, per_iteration, micro_batch_size)]
 
 
-def load_data(
-    kind: str, *, path: str, seq_len: int, max_bytes: int, image_size: int, channels: int
-) -> TrainingData:
-    """The job's data: ``"text"`` (a byte-level corpus of ``path``, "" = the stdlib's source)
-    or ``"digits"`` (scikit-learn's bundled digits as ``channels`` x ``image_size``² images).
+def load_data(job: JobSpec) -> TrainingData:
+    """The job's data, by ``[data] kind``: ``"text"`` (a byte-level corpus of ``data_path``,
+    "" = the stdlib's source) or ``"digits"`` (scikit-learn's bundled digits as
+    ``image_channels`` x ``image_size``² images).
 
     Raises:
         ConfigError: a missing path, too little text, or an unknown kind.
     """
-    from fusionp2p.errors import ConfigError
-
-    if kind == "text":
+    # imported here: both modules build on this one's batching
+    if job.data_kind == "text":
         from fusionp2p.training.corpus import TextCorpus
 
-        return TextCorpus.load(path, seq_len=seq_len, max_bytes=max_bytes)
-    if kind == "digits":
+        return TextCorpus.load(job.data_path, seq_len=job.seq_len, max_bytes=job.max_bytes)
+    if job.data_kind == "digits":
         from fusionp2p.training.images import DigitImages
 
-        return DigitImages.load(image_size=image_size, channels=channels)
-    raise ConfigError(f"[data] kind: must be one of {list(DATA_KINDS)}, got {kind!r:.40}")
+        return DigitImages.load(image_size=job.image_size, channels=job.image_channels)
+    raise ConfigError(f"[data] kind: must be one of {list(DATA_KINDS)}, got {job.data_kind!r:.40}")

@@ -37,7 +37,7 @@ from fusionp2p.planning import PlanningError
 from fusionp2p.planning.calibrate import calibrate
 from fusionp2p.records import RUN_EVENT_CHARS, RUN_EVENTS, RunStatusRecord
 from fusionp2p.training.checkpoint import Checkpoint, latest_checkpoint, save_checkpoint
-from fusionp2p.training.data import TrainingData
+from fusionp2p.training.data import Batch, TrainingData
 from fusionp2p.training.job_spec import JobSpec
 from fusionp2p.training.submit import SubmittedJob, plan_job_id
 from fusionp2p.training.supervision import CheckpointPolicy, EventLog, StepClock
@@ -96,7 +96,7 @@ class JobRun:
         self.pipeline: Pipeline | None = None
         self.running_id = ""  # the wire id of the last plan set up (what a re-plan replaces)
         self.clock = self._new_clock(0.0)
-        self._batches: Iterator[list[tuple[torch.Tensor, torch.Tensor]]] = iter(())
+        self._batches: Iterator[Batch] = iter(())
         self.loss = 0.0
         self._reported = 0.0
         events.on_event = lambda _: self.report(force=True)

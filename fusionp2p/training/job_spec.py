@@ -271,19 +271,14 @@ class JobSpec:
     def model_spec(self) -> ModelSpec:
         """The model every stage builds: one micro-batch of ``seq_len`` token ids as input,
         or of ``image_channels`` x ``image_size``² images."""
-        if self.data_kind == "digits":
-            return ModelSpec(
-                self.family,
-                dict(self.model_config),
-                input_shape=(self.micro_batch_size, self.image_channels, self.image_size, self.image_size),
-                input_dtype="float32",
-                seed=self.model_seed,
-            )
+        images = self.data_kind == "digits"
         return ModelSpec(
             self.family,
             dict(self.model_config),
-            input_shape=(self.micro_batch_size, self.seq_len),
-            input_dtype="int64",
+            input_shape=(self.micro_batch_size, self.image_channels, self.image_size, self.image_size)
+            if images
+            else (self.micro_batch_size, self.seq_len),
+            input_dtype="float32" if images else "int64",
             seed=self.model_seed,
         )
 

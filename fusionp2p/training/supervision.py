@@ -84,7 +84,7 @@ class StepClock:
     def calibrated_stages(self) -> list[float] | None:
         """Per stage: the median compute seconds over the calibration window, once it ran."""
         window = self.stages[self.warmup : self.warmup + self.window]
-        if len(window) < self.window or not window:
+        if not window or len(window) < self.window:
             return None
         n = min(len(s) for s in window)
         return [statistics.median(s[i] for s in window) for i in range(n)]

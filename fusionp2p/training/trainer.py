@@ -230,14 +230,7 @@ def train(
             ``max_replans`` re-plans did not get the run through.
     """
     preflight(job, registry)
-    data = load_data(
-        job.data_kind,
-        path=job.data_path,
-        seq_len=job.seq_len,
-        max_bytes=job.max_bytes,
-        image_size=job.image_size,
-        channels=job.image_channels,
-    )
+    data = load_data(job)
     out(f"data: {data.describe()}")
     checkpoint = None
     if resume:
