@@ -46,6 +46,7 @@ from benchmarks.testbed.wan_job import (
     MODELS,
     PLANNERS,
     POLICIES,
+    EmulatedDevice,
     WanJob,
     nominal_records,
     order_spread,
@@ -68,21 +69,23 @@ def _env(cache: Path) -> dict[str, str]:
     return {**os.environ, **ENV, "FUSIONP2P_CACHE": str(cache), "PYTHONPATH": path}
 
 
-def profile_speeds(topo: TestbedTopology, env: dict[str, str]) -> dict[float, dict[str, float]]:
+def profile_speeds(topo: TestbedTopology, env: dict[str, str]) -> dict[float, EmulatedDevice]:
     """Measures this machine once per emulated speed (one thread), into the peers' cache:
-    the fp32 matmul and the transformer-block training speed (``TRAIN_FLOPS``)."""
+    the fp32 matmul and the transformer-block training speed (``TRAIN_FLOPS``), and the
+    Top-K coding times."""
     speeds = sorted({1.0, *(c.slowdown for c in topo.clusters)})
     code = (
         "import json, sys\n"
         "from fusionp2p.runtime.device_profile import profile_device\n"
-        "print(json.dumps({s: profile_device('cpu', speed=float(s)).flops for s in sys.argv[1:]}))"
+        "ps = {s: profile_device('cpu', speed=float(s)) for s in sys.argv[1:]}\n"
+        "print(json.dumps({s: [p.flops, p.topk_codec_s] for s, p in ps.items()}))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code, *map(str, speeds)], env=env, capture_output=True, text=True, check=True
     )
     return {
-        float(k): {n: v[n] for n in ("float32", TRAIN_FLOPS)}
-        for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()
+        float(k): EmulatedDevice({n: flops[n] for n in ("float32", TRAIN_FLOPS)}, codec)
+        for k, (flops, codec) in json.loads(out.stdout.strip().splitlines()[-1]).items()
     }
 
 
@@ -274,21 +277,25 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(args.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
         env = _env(work / "cache")
-        flops = profile_speeds(topo, env)
+        devices = profile_speeds(topo, env)
         logger.info(
-            "emulated devices (training GFLOP/s, one thread): %s",
-            {s: round(f[TRAIN_FLOPS] / 1e9, 1) for s, f in flops.items()},
+            "emulated devices (training GFLOP/s, one thread; Top-K selection ns/element): %s",
+            {
+                s: (round(d.flops[TRAIN_FLOPS] / 1e9, 1), round(d.topk_codec_s["send_element_s"] * 1e9, 1))
+                for s, d in devices.items()
+            },
         )
-        peers, links, nominal_clusters = nominal_records(topo, flops)
+        peers, links, nominal_clusters = nominal_records(topo, devices)
         dry = plan_cells(job, peers, links, peers[0].peer_id)
         for row in dry:
             row["clusters"] = [nominal_clusters[p] for p in row.pop("peers")]
-        spread = order_spread(job, topo, flops)
+        spread = order_spread(job, topo, devices)
         result: dict[str, Any] = {
             "topology": asdict(topo),
             "job": asdict(job),
-            "devices_gflops": {str(s): f[TRAIN_FLOPS] / 1e9 for s, f in flops.items()},
-            "devices_matmul_gflops": {str(s): f["float32"] / 1e9 for s, f in flops.items()},
+            "devices_gflops": {str(s): d.flops[TRAIN_FLOPS] / 1e9 for s, d in devices.items()},
+            "devices_matmul_gflops": {str(s): d.flops["float32"] / 1e9 for s, d in devices.items()},
+            "devices_topk_codec_s": {str(s): d.topk_codec_s for s, d in devices.items()},
             "nominal": dry,
             "order_spread": spread,
             "machine": f"{os.cpu_count()} cores, emulated device speeds by sleeping (runtime/throttle.py)",

@@ -47,6 +47,7 @@ def self_record(peer_id: str, device: str = "cpu") -> PeerRecord:
         device=profile.device,
         device_name=profile.device_name[:64],
         flops=dict(profile.flops),
+        topk_codec_s=dict(profile.topk_codec_s),
         memory_bytes=free,
         total_memory_bytes=total,
         state="training",

@@ -222,6 +222,7 @@ class Peer:
             device=self.profile.device,
             device_name=self.profile.device_name[:64],
             flops=dict(self.profile.flops),
+            topk_codec_s=dict(self.profile.topk_codec_s),
             memory_bytes=free,
             total_memory_bytes=total,
             state=self.state,

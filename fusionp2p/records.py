@@ -22,6 +22,7 @@ import msgpack
 from fusionp2p.errors import RecordError
 
 __all__ = [
+    "CODEC_TERMS",
     "EXEC_COMMANDS",
     "FETCHABLE",
     "MAX_LINKS_PER_PEER",
@@ -147,6 +148,10 @@ def _checkers(cls: type) -> tuple[tuple[str, Checker], ...]:
 
 
 TRAIN_FLOPS = "train_float32"  # PeerRecord.flops key: a transformer block's forward + backward
+# PeerRecord.topk_codec_s keys: seconds of Top-K coding per dense element and per kept entry, on
+# the sending side (encode the activation, decode its gradient) and the receiving side (decode
+# the activation, gather its gradient at the kept positions)
+CODEC_TERMS = ("send_element_s", "send_entry_s", "recv_element_s", "recv_entry_s")
 
 
 @dataclass(frozen=True)
@@ -220,7 +225,7 @@ class PeerRecord(_WireRecord):
     """A peer's measured profile and addresses, refreshed by its heartbeat."""
 
     KIND: ClassVar[str] = "peer"
-    VERSION: ClassVar[int] = 2  # 2: units in the field names (upload_limit_bytes_per_s); job, stage_s
+    VERSION: ClassVar[int] = 3  # 2: units in the field names, job, stage_s; 3: topk_codec_s
 
     peer_id: str  # base58 libp2p PeerID; must match the key that signed the record
     maddrs: tuple[str, ...]  # multiaddrs others can dial
@@ -238,10 +243,17 @@ class PeerRecord(_WireRecord):
     upload_limit_bytes_per_s: float = 0.0  # declared cap on outgoing bytes/s, 0 for none
     job: str = ""  # the job whose stage it runs, while training
     stage_s: float = 0.0  # that stage's compute seconds in its last iteration
+    topk_codec_s: dict[str, float] = field(default_factory=dict)  # CODEC_TERMS, measured; {}: unknown
 
     def __post_init__(self) -> None:
         if not self.peer_id:
             raise RecordError("PeerRecord.peer_id is empty")
+        if set(self.topk_codec_s) - set(CODEC_TERMS) or not all(
+            0 <= v < 1 for v in self.topk_codec_s.values()
+        ):
+            raise RecordError(
+                f"PeerRecord.topk_codec_s takes {CODEC_TERMS} in [0, 1) s, got {self.topk_codec_s}"
+            )
         if self.state not in PEER_STATES:
             raise RecordError(f"PeerRecord.state must be one of {PEER_STATES}, got {self.state!r}")
         if self.memory_bytes < 0 or self.total_memory_bytes < 0:

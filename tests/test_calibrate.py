@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fusionp2p.opdag import OpDag, OpNode
-from fusionp2p.planning import CostConfig, Plan, Stage, Topology, estimate
+from fusionp2p.planning import CompressionPolicy, CostConfig, Plan, Stage, Topology, estimate
 from fusionp2p.planning.calibrate import calibrate
 
 GB = 1 << 30
@@ -72,3 +72,18 @@ def test_a_missing_or_meaningless_measurement_keeps_the_profiled_speed(setting, 
     result = calibrate(dag, topo, plan, cost, {"p0": bad, "stranger": 1.0})
     assert result.factors == {}
     assert result.iteration_s == pytest.approx(plan.iteration_s)
+
+
+def test_the_measured_compute_less_its_estimated_topk_coding_is_what_rescales_the_speed() -> None:
+    dag = _chain(6)  # 4 MB between nodes: 1e6 fp32 elements
+    codec = np.tile([1e-8, 5e-8, 2e-9, 1e-8], (3, 1))
+    topo = Topology.from_arrays(["p0", "p1", "p2"], [1e12] * 3, [GB] * 3, np.full((3, 3), 1e8), None, codec)
+    cost = CostConfig(n_micro_batches=4, compression=CompressionPolicy(kind="uniform", ratio=10.0))
+    plan = _plan(dag, topo, cost)
+    assert all(c > 0 for c in plan.estimate.codec_s)
+    # p1 computes twice as slowly as profiled; its coding takes what the profile said
+    measured = {"p1": 4 * (2 * plan.estimate.compute_s[1] + plan.estimate.codec_s[1])}
+    result = calibrate(dag, topo, plan, cost, measured)
+    assert result.factors == pytest.approx({"p1": 0.5})
+    assert result.estimate.compute_s[1] == pytest.approx(2 * plan.estimate.compute_s[1])
+    assert result.estimate.codec_s == pytest.approx(plan.estimate.codec_s)

@@ -5,6 +5,7 @@ import time
 import pytest
 
 from fusionp2p.errors import ProfileError
+from fusionp2p.records import CODEC_TERMS
 from fusionp2p.runtime.device_profile import free_memory, measure_device, profile_device
 
 
@@ -13,6 +14,9 @@ def test_measure_cpu_reports_positive_flops_and_memory() -> None:
     assert profile.flops["float32"] > 1e8
     assert all(v > 0 for v in profile.flops.values())
     assert profile.total_memory_bytes > 0 and profile.measured["float32"]
+    assert set(profile.topk_codec_s) == set(CODEC_TERMS)
+    assert profile.topk_codec_s["send_element_s"] > 0 and profile.topk_codec_s["send_entry_s"] > 0
+    assert all(0 <= v < 1e-5 for v in profile.topk_codec_s.values())  # seconds per element or entry
     free, total = free_memory("cpu")
     assert 0 < free <= total
 
@@ -55,9 +59,15 @@ def test_an_emulated_slower_device_takes_longer_and_measures_slower(tmp_path, mo
     assert time.perf_counter() - start < 0.1
     with pytest.raises(ConfigError, match="in \\(0, 1\\]"):
         Throttle(1.5)
-    full = measure_device("cpu", budget_s=0.2).flops["float32"]
-    slowed = measure_device("cpu", budget_s=0.2, speed=0.2).flops["float32"]
-    assert slowed < 0.4 * full  # ~0.2x, with room for this machine's noise
+    full, slowed = measure_device("cpu", budget_s=0.2), measure_device("cpu", budget_s=0.2, speed=0.2)
+    assert slowed.flops["float32"] < 0.4 * full.flops["float32"]  # ~0.2x, with room for this machine's noise
+    # Top-K coding slows down with the device: what a compressed link costs a slow peer
+    numel, kept = 1e6, 1e5
+    coding = [
+        p.topk_codec_s["send_element_s"] * numel + p.topk_codec_s["send_entry_s"] * kept
+        for p in (full, slowed)
+    ]
+    assert coding[1] > 2 * coding[0]
     monkeypatch.setenv("FUSIONP2P_CACHE", str(tmp_path))
     profile_device("cpu", speed=0.2)
     assert [p.name for p in tmp_path.glob("profile-*speed0.2.json")]  # cached apart from full speed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from fusionp2p.planning import (
     adaptive_ratios,
     baseline_plan,
     cluster_peers,
+    codec_seconds,
     estimate,
     exact_plan,
     op_fence,
@@ -29,7 +31,7 @@ from fusionp2p.planning import (
     synthetic_swarm,
 )
 from fusionp2p.planning.local_search import improve
-from fusionp2p.records import LinkRecord, PeerRecord, PlanStageRecord
+from fusionp2p.records import CODEC_TERMS, LinkRecord, PeerRecord, PlanStageRecord
 
 GB = 1 << 30
 GPT2_SMALL = TransformerShape("gpt2", 12, 768, 12, 50257, 1024, 3072, 12, True)
@@ -197,7 +199,12 @@ def test_a_model_that_fits_nowhere_gets_a_planning_error() -> None:
         exact_plan(dag, tiny, CostConfig())
 
 
-def test_exact_solver_agrees_with_brute_force_over_estimate() -> None:
+CODING = np.array([[2e-9, 4e-8, 1e-10, 1e-8], [1e-9, 2e-8, 5e-11, 5e-9], [4e-9, 8e-8, 2e-10, 2e-8]])
+
+
+@pytest.mark.parametrize("kind", ["adaptive", "planned"])
+@pytest.mark.parametrize("coding", [False, True], ids=["free-topk", "measured-topk"])
+def test_exact_solver_agrees_with_brute_force_over_estimate(kind: str, coding: bool) -> None:
     dag = OpDag.from_unordered(
         [
             OpNode(
@@ -214,8 +221,10 @@ def test_exact_solver_agrees_with_brute_force_over_estimate() -> None:
         ]
     )
     bw = np.array([[0, 2e8, 3e6], [1e8, 0, 5e7], [4e6, 6e7, 0]])
-    topo = Topology.from_arrays(["a", "b", "c"], [1e12, 3e12, 2e12], [GB] * 3, bw, np.full((3, 3), 0.005))
-    cost = CostConfig(n_micro_batches=6)
+    topo = Topology.from_arrays(
+        ["a", "b", "c"], [1e12, 3e12, 2e12], [GB] * 3, bw, np.full((3, 3), 0.005), CODING if coding else None
+    )
+    cost = CostConfig(n_micro_batches=6, compression=CompressionPolicy(kind=kind, ratio=10.0))
     brute = math.inf
     for k in range(1, 4):
         for seq in itertools.permutations(range(3), k):
@@ -392,3 +401,53 @@ def test_the_planned_policy_compresses_only_links_that_would_be_the_bottleneck()
     )
     assert dense.bottleneck_s > 1.0 and est.pipelined_s < dense.pipelined_s
     assert op_fence(dag, topo, cost).iteration_s <= est.iteration_s + 1e-9
+
+
+def test_topk_coding_keeps_fast_links_dense_and_is_paid_for_on_slow_ones() -> None:
+    policy = CompressionPolicy(kind="planned", ratio=1.0, max_ratio=100.0)
+    dense, numel = 8e6, 2e6  # bytes, fp32 elements per micro-batch
+    # 8 MB at 100 MB/s: 80 ms dense, over a 50 ms budget; without coding costs Top-K would pay
+    assert planned_ratios(dense, 1e8, 0.01, 0.05, policy, WIRE) > 1.0
+    # ... but scanning 2M elements at 50 ns each takes 100 ms, longer than sending them dense
+    assert planned_ratios(dense, 1e8, 0.01, 0.05, policy, WIRE, (5e-8, 0.0)) == 1.0
+    # 8 MB at 10 MB/s with 10 ns per element and 50 ns per kept entry: the entries that fit are
+    # (0.09 s x 1e7 B/s - 2e6 x 1e-8 s x 1e7 B/s - 32 B) / (6 B + 5e-8 s x 1e7 B/s)
+    got = float(planned_ratios(dense, 1e7, 0.01, 0.1, policy, WIRE, (1e-8, 5e-8)))
+    assert got == pytest.approx(numel / ((0.9e6 - 2e5 - 32) // 6.5), rel=1e-6)
+    coding = float(codec_seconds(numel, got, 1e-8, 5e-8))
+    assert coding == pytest.approx(numel * 1e-8 + math.ceil(numel / got) * 5e-8)
+    assert 0.01 + coding + WIRE.wire_bytes(dense, got) / 1e7 <= 0.1 + 1e-9  # it does fit the budget
+    assert got > float(planned_ratios(dense, 1e7, 0.01, 0.1, policy, WIRE))  # harder than if coding were free
+
+
+def test_the_estimate_charges_topk_coding_to_both_peers_and_the_forward_path() -> None:
+    dag = two_node_dag()  # 1 MB from a to b: 250,000 fp32 elements
+    codec = np.array([[1e-8, 4e-8, 2e-9, 1e-8], [3e-8, 5e-8, 4e-9, 2e-8]])
+    free = two_peers(bw=1e8)
+    topo = Topology.from_arrays(free.peer_ids, free.speed, free.memory, free.bandwidth, free.latency, codec)
+    cost = CostConfig(n_micro_batches=4, compression=CompressionPolicy(kind="uniform", ratio=10.0))
+    stages = [Stage(0, (0,)), Stage(1, (1,))]
+    base, est = estimate(dag, free, stages, cost), estimate(dag, topo, stages, cost)
+    send = 250_000 * 1e-8 + 25_000 * 4e-8  # p0 selects the activation, later unpacks its gradient
+    recv = 250_000 * 4e-9 + 25_000 * 2e-8  # p1 unpacks the activation, gathers the gradient
+    assert est.codec_s == pytest.approx((send, recv))
+    assert est.links[0].codec_s == pytest.approx(send + recv)
+    assert est.critical_path_s == pytest.approx(base.critical_path_s + send + recv)
+    assert est.bottleneck_s == pytest.approx(
+        max(c + k for c, k in zip(est.compute_s, est.codec_s, strict=True))
+    )
+    none = CostConfig(n_micro_batches=4, compression=CompressionPolicy(kind="none"))
+    assert estimate(dag, topo, stages, none).codec_s == (0.0, 0.0)  # a dense link codes nothing
+
+
+def test_measured_topk_coding_travels_in_peer_records_into_the_topology() -> None:
+    peers, links = _records(3, [(0, 1, 1e8), (1, 2, 1e8)])
+    terms = dict(zip(CODEC_TERMS, (1e-9, 2e-8, 3e-10, 4e-9), strict=True))
+    peers = [replace(peers[0], topk_codec_s=terms), *peers[1:]]
+    topo = Topology.from_records(peers, links)
+    row = topo.peer_ids.index(peers[0].peer_id)
+    assert topo.codec[row].tolist() == [1e-9, 2e-8, 3e-10, 4e-9]
+    assert not topo.codec[[i for i in range(3) if i != row]].any()  # unmeasured: free
+    other = topo.peer_ids[(row + 1) % 3]
+    assert topo.link_codec(row, (row + 1) % 3) == pytest.approx((1e-9, 2e-8))
+    assert topo.subset([other, peers[0].peer_id]).codec[1].tolist() == [1e-9, 2e-8, 3e-10, 4e-9]

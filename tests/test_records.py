@@ -34,7 +34,7 @@ def make_peer(**overrides) -> PeerRecord:
 
 
 def test_peer_and_link_records_round_trip() -> None:
-    peer = make_peer()
+    peer = make_peer(topk_codec_s={"send_element_s": 7e-9, "send_entry_s": 4e-8, "recv_entry_s": 1e-8})
     link = LinkRecord(
         src="QmA", dst="QmB", bandwidth_bytes_per_s=1.25e7, rtt_s=0.02, measured_at=5.0, samples=3
     )
@@ -71,6 +71,9 @@ def test_a_version_1_link_record_without_units_in_its_names_is_refused_not_misre
         (lambda b: b.update(flops={"float32": math.nan}), "finite"),
         (lambda b: b.update(flops={"float32": -1.0}), "positive"),
         (lambda b: b.update(state="dancing"), "state"),
+        (lambda b: b.update(topk_codec_s={"send_element_s": -1e-9}), "topk_codec_s"),
+        (lambda b: b.update(topk_codec_s={"made_up_s": 1e-9}), "topk_codec_s"),
+        (lambda b: b.update(topk_codec_s={"send_entry_s": math.inf}), "finite"),
         (lambda b: b.update(maddrs=["/ip4"] * 100), "list"),
         (lambda b: b.update(kind="link"), "expected a 'peer'"),
         (lambda b: b.update(v="one"), "version"),

@@ -15,7 +15,16 @@ from fusionp2p.planning import CostConfig, Topology
 from fusionp2p.records import LinkRecord, PeerRecord
 from fusionp2p.training.job_spec import JobSpec, compression_policy
 
-__all__ = ["MODELS", "PLANNERS", "POLICIES", "WanJob", "nominal_records", "order_spread", "plan_cells"]
+__all__ = [
+    "MODELS",
+    "PLANNERS",
+    "POLICIES",
+    "EmulatedDevice",
+    "WanJob",
+    "nominal_records",
+    "order_spread",
+    "plan_cells",
+]
 
 MODELS = ("gpt2", "resnet18")
 
@@ -132,9 +141,17 @@ def _peer_id(name: str) -> str:
     return "Qm" + "".join(chars)
 
 
+@dataclass(frozen=True)
+class EmulatedDevice:
+    """What a peer at one emulated speed measures of itself (``runtime.device_profile``)."""
+
+    flops: dict[str, float]
+    topk_codec_s: dict[str, float]
+
+
 def nominal_records(
     topo: TestbedTopology,
-    flops_by_speed: dict[float, dict[str, float]],
+    devices: dict[float, EmulatedDevice],
     *,
     memory_bytes: int = 2 << 30,
     salt: str = "",
@@ -154,7 +171,8 @@ def nominal_records(
                 maddrs=(),
                 device="cpu",
                 device_name="cpu",
-                flops=dict(flops_by_speed[cluster.slowdown]),
+                flops=dict(devices[cluster.slowdown].flops),
+                topk_codec_s=dict(devices[cluster.slowdown].topk_codec_s),
                 memory_bytes=memory_bytes,
                 total_memory_bytes=2 * memory_bytes,
                 state="idle",
@@ -201,7 +219,7 @@ def plan_cells(
 
 
 def order_spread(
-    job: WanJob, topo: TestbedTopology, flops_by_speed: dict[float, dict[str, float]], orders: int = 40
+    job: WanJob, topo: TestbedTopology, devices: dict[float, EmulatedDevice], orders: int = 40
 ) -> dict[str, Any]:
     """The estimate of equal-number/none and of OP-Fence/planned on nominal rates over
     ``orders`` random PeerID assignments: the baselines take peers in PeerID order, so
@@ -209,7 +227,7 @@ def order_spread(
     traced = trace_spec(job.spec().model_spec(), fake=True)
     out: dict[str, list[float]] = {"equal-number/none": [], "op-fence/planned": []}
     for k in range(orders):
-        peers, links, _ = nominal_records(topo, flops_by_speed, salt=f"order{k}-")
+        peers, links, _ = nominal_records(topo, devices, salt=f"order{k}-")
         topology = Topology.from_records(peers, links)
         for cell, values in out.items():
             planner, _, policy = cell.partition("/")

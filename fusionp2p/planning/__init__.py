@@ -24,6 +24,7 @@ from fusionp2p.planning.cost import (
     CostConfig,
     WireFormat,
     adaptive_ratios,
+    codec_seconds,
     planned_ratios,
 )
 from fusionp2p.planning.estimate import Estimate, LinkEstimate, Stage, estimate, estimate_segments
@@ -50,6 +51,7 @@ __all__ = [
     "adaptive_ratios",
     "baseline_plan",
     "cluster_peers",
+    "codec_seconds",
     "estimate",
     "estimate_segments",
     "exact_plan",

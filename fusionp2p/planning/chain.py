@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from fusionp2p.opdag.ir import OpDag
-from fusionp2p.planning.cost import CostConfig
+from fusionp2p.planning.cost import CostConfig, codec_seconds
 from fusionp2p.planning.topology import Topology
 
 __all__ = ["ChainCosts"]
@@ -51,12 +51,17 @@ class ChainCosts:
         return out
 
     def link_times(self, src: int, dst: int, ratio: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
-        """(forward, backward) seconds per cut position for a link src -> dst at ``ratio``."""
+        """(forward, backward) seconds per cut position for a link src -> dst at ``ratio``;
+        the forward holds the link's Top-K coding time (``estimate`` counts it as the peers'
+        work too)."""
         if src == dst:
             zeros = np.zeros_like(self.cut)
             return zeros, zeros
         wire = self.cost.wire.wire_bytes(self.cut, ratio)
-        fwd = self.topo.latency[src, dst] + wire / self.topo.bandwidth[src, dst]
+        coding = codec_seconds(
+            self.cut / self.cost.wire.dense_value_bytes, ratio, *self.topo.link_codec(src, dst)
+        )
+        fwd = self.topo.latency[src, dst] + wire / self.topo.bandwidth[src, dst] + coding
         bwd = self.topo.latency[dst, src] + wire / self.topo.bandwidth[dst, src]
         return fwd, bwd
 

@@ -4,6 +4,8 @@
 - link time = alpha + wire bytes / bandwidth (alpha = one-way latency; links may be asymmetric);
 - wire bytes of a Top-K message at ratio r = numel / r * (value bytes + index bytes) + header,
   or the dense bytes where compression would not pay;
+- Top-K coding time of a compressed link, on each side, = numel * (seconds per element) +
+  numel / r * (seconds per kept entry), as each peer measured them (``codec_seconds``);
 - memory of a stage = parameters * (1 + grads + optimizer states) + saved activations of
   every micro-batch in flight (1F1B: stage k of S holds min(n_b, S - k)).
 """
@@ -28,6 +30,7 @@ __all__ = [
     "CostConfig",
     "WireFormat",
     "adaptive_ratios",
+    "codec_seconds",
     "in_flight",
     "planned_budgets",
     "planned_ratios",
@@ -123,6 +126,20 @@ def adaptive_ratios(dense_times: np.ndarray, policy: CompressionPolicy) -> np.nd
     return np.clip(policy.ratio * t / safe, 1.0, policy.max_ratio)
 
 
+def codec_seconds(
+    numel: np.ndarray | float,
+    ratio: np.ndarray | float,
+    per_element_s: np.ndarray | float,
+    per_entry_s: np.ndarray | float,
+) -> np.ndarray:
+    """Seconds of Top-K coding for ``numel`` elements sent at ``ratio``: scanning every
+    element (the selection) plus handling each of the ``numel / ratio`` kept entries
+    (packing, unpacking, gathering); 0 where the link is dense (ratio 1)."""
+    n = np.asarray(numel, dtype=float)
+    r = np.maximum(np.asarray(ratio, dtype=float), 1.0)
+    return np.where(r > 1.0, n * per_element_s + np.ceil(n / r) * per_entry_s, 0.0)
+
+
 def planned_ratios(
     dense_bytes: np.ndarray | float,
     bandwidth: np.ndarray | float,
@@ -130,21 +147,32 @@ def planned_ratios(
     budget_s: np.ndarray | float,
     policy: CompressionPolicy,
     wire: WireFormat,
+    codec: tuple[np.ndarray | float, np.ndarray | float] = (0.0, 0.0),
 ) -> np.ndarray:
     """Per link, the *smallest* Top-K ratio whose transfer fits in ``budget_s`` (the
     bottleneck peer's compute per micro-batch, which a pipelined link must not exceed):
     1 where the dense tensor already fits, ``policy.max_ratio`` at most (and where even
     the latency does not fit). Compressing no harder than needed is what keeps training
     close to uncompressed (benchmarks/convergence.py); the paper's §5.2 formula compresses
-    slow links hardest whether or not they are the bottleneck."""
+    slow links hardest whether or not they are the bottleneck.
+
+    ``codec`` is the link's Top-K coding time, both sides together, as (seconds per dense
+    element, seconds per kept entry): a link counts it as part of its transfer, and stays
+    dense where compressing would take longer than sending it dense (a fast link)."""
     dense = np.asarray(dense_bytes, dtype=float)
-    room = (np.asarray(budget_s, dtype=float) - np.asarray(latency, dtype=float)) * np.asarray(
-        bandwidth, dtype=float
-    )
-    entries = np.maximum(np.floor((room - _HEADER_BYTES) / (wire.value_bytes + wire.index_bytes)), 1e-12)
-    needed = (dense / wire.dense_value_bytes) / entries * (1 + 1e-9)  # so ceil() keeps to ``entries``
-    ratio = np.where(dense <= room, 1.0, np.where(room > _HEADER_BYTES, needed, policy.max_ratio))
-    return np.clip(ratio, 1.0, policy.max_ratio)
+    bw, lat = np.asarray(bandwidth, dtype=float), np.asarray(latency, dtype=float)
+    numel = dense / wire.dense_value_bytes
+    per_element, per_entry = (np.asarray(c, dtype=float) for c in codec)
+    entry_bytes = wire.value_bytes + wire.index_bytes
+    room = (np.asarray(budget_s, dtype=float) - lat) * bw
+    # k entries take lat + numel * per_element + k * per_entry + (k * entry_bytes + header) / bw
+    fit = np.floor(((room - numel * per_element * bw) - _HEADER_BYTES) / (entry_bytes + per_entry * bw))
+    entries = np.maximum(fit, 1e-12)
+    needed = numel / entries * (1 + 1e-9)  # so ceil() keeps to ``entries``
+    ratio = np.where(dense <= room, 1.0, np.where(fit >= 1, needed, policy.max_ratio))
+    ratio = np.clip(ratio, 1.0, policy.max_ratio)
+    compressed_s = codec_seconds(numel, ratio, per_element, per_entry) + wire.wire_bytes(dense, ratio) / bw
+    return np.where(compressed_s < dense / bw, ratio, 1.0)
 
 
 def planned_budgets(

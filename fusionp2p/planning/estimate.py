@@ -3,8 +3,10 @@
 A partition is a list of ``Stage`` s (a peer and the OP-DAG positions it runs). Per
 micro-batch, stage s computes for ``flops / speed``; each pair of stages with traffic has a
 forward link (activations) and a backward link (gradients), each ``alpha + wire / bw`` in
-its own direction. Resources are peers (their stages share one device) and directed peer
-pairs. With ``L`` the forward plus backward critical path and ``B`` the busiest resource:
+its own direction; a compressed link also costs Top-K coding time on both of its peers,
+on their devices and on the forward path. Resources are peers (their stages share one
+device) and directed peer pairs. With ``L`` the forward plus backward critical path and
+``B`` the busiest resource:
 
     sequential (one micro-batch at a time):  n_b * L
     pipelined  (n_b micro-batches in flight): L + (n_b - 1) * B
@@ -21,6 +23,7 @@ from fusionp2p.opdag.ir import OpDag
 from fusionp2p.planning.cost import (
     CostConfig,
     adaptive_ratios,
+    codec_seconds,
     planned_budgets,
     planned_ratios,
     stage_in_flight,
@@ -49,6 +52,7 @@ class LinkEstimate:
     wire_bytes: float
     fwd_s: float  # activations src -> dst
     bwd_s: float  # gradients dst -> src
+    codec_s: float = 0.0  # Top-K coding on both peers, both directions (0 when dense)
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class Estimate:
     bottleneck_s: float
     critical_path_s: float
     compute_s: tuple[float, ...]  # per stage, forward + backward, per micro-batch
+    codec_s: tuple[float, ...]  # per stage, Top-K coding of its compressed links, per micro-batch
     links: tuple[LinkEstimate, ...]
     memory_bytes: tuple[float, ...]  # per stage
     fits: bool  # every peer's stages fit its memory
@@ -139,6 +144,7 @@ def estimate(
             (a, b, topo.latency[peers[a], peers[b]], topo.latency[peers[b], peers[a]]) for a, b in remote
         ]
         fastest = _critical_path(fwd, bwd, at_latency) + (n_b - 1) * budget
+        codec = np.array([topo.link_codec(peers[a], peers[b]) for a, b in remote]).reshape(-1, 2)
         planned = planned_ratios(
             np.array([traffic[ab] for ab in remote], dtype=float),
             np.array(slow_bw),
@@ -146,11 +152,13 @@ def estimate(
             planned_budgets(slow_lat, budget, fastest, len(remote), cost.compression),
             cost.compression,
             cost.wire,
+            (codec[:, 0], codec[:, 1]),
         )
         ratios = dict(zip(remote, np.atleast_1d(planned).tolist(), strict=True))
     if ratios is None:
         ratios = dict(zip(remote, adaptive_ratios(dense_t, cost.compression).tolist(), strict=True))
     links = []
+    coding = np.zeros(len(stages))
     for a, b in pairs:
         pa, pb = peers[a], peers[b]
         if pa == pb:
@@ -158,6 +166,11 @@ def estimate(
             continue
         r = float(ratios.get((a, b), 1.0))
         wire = float(cost.wire.wire_bytes(traffic[a, b], r))
+        numel = traffic[a, b] / cost.wire.dense_value_bytes
+        send = float(codec_seconds(numel, r, topo.codec[pa, 0], topo.codec[pa, 1]))
+        recv = float(codec_seconds(numel, r, topo.codec[pb, 2], topo.codec[pb, 3]))
+        coding[a] += send
+        coding[b] += recv
         links.append(
             LinkEstimate(
                 a,
@@ -167,12 +180,15 @@ def estimate(
                 wire,
                 topo.latency[pa, pb] + wire / topo.bandwidth[pa, pb],
                 topo.latency[pb, pa] + wire / topo.bandwidth[pb, pa],
+                send + recv,
             )
         )
 
-    critical = _critical_path(fwd, bwd, [(lk.src, lk.dst, lk.fwd_s, lk.bwd_s) for lk in links])
+    critical = _critical_path(fwd, bwd, [(lk.src, lk.dst, lk.fwd_s + lk.codec_s, lk.bwd_s) for lk in links])
 
-    busy: dict[object, float] = {**compute}  # peers, then link directions
+    busy: dict[object, float] = {}  # peers, then link directions
+    for k, p in enumerate(peers):
+        busy[p] = busy.get(p, 0.0) + fwd[k] + bwd[k] + coding[k]
     for lk in links:
         pa, pb = peers[lk.src], peers[lk.dst]
         if pa != pb:
@@ -195,6 +211,7 @@ def estimate(
         bottleneck_s=float(bottleneck),
         critical_path_s=critical,
         compute_s=tuple((fwd + bwd).tolist()),
+        codec_s=tuple(coding.tolist()),
         links=tuple(links),
         memory_bytes=tuple(float(m) for m in memory),
         fits=fits,

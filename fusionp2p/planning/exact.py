@@ -14,7 +14,13 @@ import numpy as np
 
 from fusionp2p.opdag.ir import OpDag
 from fusionp2p.planning.chain import ChainCosts
-from fusionp2p.planning.cost import CostConfig, adaptive_ratios, planned_budgets, planned_ratios
+from fusionp2p.planning.cost import (
+    CostConfig,
+    adaptive_ratios,
+    codec_seconds,
+    planned_budgets,
+    planned_ratios,
+)
 from fusionp2p.planning.estimate import Stage, estimate
 from fusionp2p.planning.plan import Plan
 from fusionp2p.planning.topology import PlanningError, Topology
@@ -63,7 +69,7 @@ def exact_plan(
             fits = np.all(mem <= cost.memory_headroom * topo.memory[seq_a], axis=1)
             if not fits.any():
                 continue
-            speed = topo.speed[seq_a]
+            speed, codec = topo.speed[seq_a], topo.codec
             cf, cb = flops_f / speed, flops_b / speed
             src, dst = seq_a[:-1], seq_a[1:]
             lat_f, lat_b = topo.latency[src, dst], topo.latency[dst, src]
@@ -79,13 +85,20 @@ def exact_plan(
                     planned_budgets(slow_lat, budget, fastest, k - 1, cost.compression),
                     cost.compression,
                     cost.wire,
+                    (codec[src, 0] + codec[dst, 2], codec[src, 1] + codec[dst, 3]),
                 )
             else:
                 ratios = adaptive_ratios(lat_f + cut_bytes / bw_f, cost.compression)
             wire = cost.wire.wire_bytes(cut_bytes, ratios)
-            lf, lb = lat_f + wire / bw_f, lat_b + wire / bw_b
+            numel = cut_bytes / cost.wire.dense_value_bytes
+            send = codec_seconds(numel, ratios, codec[src, 0], codec[src, 1])
+            recv = codec_seconds(numel, ratios, codec[dst, 2], codec[dst, 3])
+            lf, lb = lat_f + wire / bw_f + send + recv, lat_b + wire / bw_b
             critical = cf.sum(1) + cb.sum(1) + lf.sum(1) + lb.sum(1)
-            bottleneck = np.max(cf + cb, axis=1)
+            busy = cf + cb
+            busy[:, :-1] += send
+            busy[:, 1:] += recv
+            bottleneck = np.max(busy, axis=1)
             if k > 1:
                 bottleneck = np.maximum(bottleneck, np.maximum(lf.max(1), lb.max(1)))
             total = np.where(fits, critical + (n_b - 1) * bottleneck, np.inf)

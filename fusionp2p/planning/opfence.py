@@ -209,7 +209,9 @@ def search_sequence(
                     bw = min(topo.bandwidth[pa, pb], topo.bandwidth[pb, pa])
                     lat = max(topo.latency[pa, pb], topo.latency[pb, pa])
                     link_budget = planned_budgets(lat, budget, fastest, n_links, policy)
-                    ratio = planned_ratios(ch.cut, bw, lat, link_budget, policy, cost.wire)
+                    ratio = planned_ratios(
+                        ch.cut, bw, lat, link_budget, policy, cost.wire, topo.link_codec(pa, pb)
+                    )
                 elif policy.kind == "uniform" or t_ref is None:
                     ratio = policy.ratio
                 else:

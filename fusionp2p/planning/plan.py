@@ -219,5 +219,6 @@ class Plan:
                     f"ratio {lk.ratio:.0f}, "
                     f"{lk.wire_bytes / 2**20:.2f} MiB on the wire, fwd {lk.fwd_s * 1e3:.1f} ms, "
                     f"bwd {lk.bwd_s * 1e3:.1f} ms"
+                    + (f", Top-K coding {lk.codec_s * 1e3:.1f} ms" if lk.codec_s else "")
                 )
         return "\n".join(rows)

@@ -10,13 +10,13 @@ measured links do not connect every peer is refused: nothing tells how those par
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from fusionp2p.errors import FusionP2PError
 from fusionp2p.planning.infer import infer_unmeasured
-from fusionp2p.records import LinkRecord, PeerRecord
+from fusionp2p.records import CODEC_TERMS, LinkRecord, PeerRecord
 
 __all__ = ["PlanningError", "Topology", "connected_to"]
 
@@ -35,9 +35,23 @@ class Topology:
     bandwidth: np.ndarray  # (n, n) bytes/s, inf on the diagonal
     latency: np.ndarray  # (n, n) one-way seconds (RTT / 2), 0 on the diagonal
     measured: np.ndarray  # (n, n) bool: this direction (or its reverse) was probed
+    # (n, 4) seconds of Top-K coding per peer, columns as records.CODEC_TERMS; 0 where unknown
+    codec: np.ndarray = field(default_factory=lambda: np.zeros((0, len(CODEC_TERMS))))
+
+    def __post_init__(self) -> None:
+        if len(self.codec) == 0 and self.peer_ids:
+            object.__setattr__(self, "codec", np.zeros((len(self.peer_ids), len(CODEC_TERMS))))
 
     def __len__(self) -> int:
         return len(self.peer_ids)
+
+    def link_codec(self, src: int, dst: int) -> tuple[float, float]:
+        """Top-K coding of a link ``src -> dst``, both sides together: (seconds per dense
+        element, seconds per kept entry)."""
+        return (
+            float(self.codec[src, 0] + self.codec[dst, 2]),
+            float(self.codec[src, 1] + self.codec[dst, 3]),
+        )
 
     @classmethod
     def from_arrays(
@@ -47,8 +61,10 @@ class Topology:
         memory: Sequence[float],
         bandwidth: np.ndarray,
         latency: np.ndarray | None = None,
+        codec: np.ndarray | None = None,
     ) -> Topology:
-        """A fully measured topology from plain arrays (tests, synthetic swarms)."""
+        """A fully measured topology from plain arrays (tests, synthetic swarms); ``codec``
+        (n, 4) as ``Topology.codec``, free where not given."""
         n = len(peer_ids)
         bw = np.array(bandwidth, dtype=float)
         lat = np.zeros((n, n)) if latency is None else np.array(latency, dtype=float)
@@ -61,6 +77,7 @@ class Topology:
             bw,
             lat,
             ~np.eye(n, dtype=bool),
+            np.zeros((n, len(CODEC_TERMS))) if codec is None else np.array(codec, dtype=float),
         )
         topo.validate()
         return topo
@@ -90,7 +107,8 @@ class Topology:
         bw, lat = infer_unmeasured(bw, lat)
         speed = np.array([by_id[i].train_flops for i in ids])
         memory = np.array([float(by_id[i].memory_bytes) for i in ids])
-        topo = cls(ids, speed, memory, bw, lat, measured)
+        codec = np.array([[by_id[i].topk_codec_s.get(t, 0.0) for t in CODEC_TERMS] for i in ids])
+        topo = cls(ids, speed, memory, bw, lat, measured, codec)
         topo.validate()
         return topo
 
@@ -104,6 +122,7 @@ class Topology:
             self.bandwidth[np.ix_(keep, keep)],
             self.latency[np.ix_(keep, keep)],
             self.measured[np.ix_(keep, keep)],
+            self.codec[keep],
         )
 
     def subset(self, peer_ids: Sequence[str]) -> Topology:
@@ -117,6 +136,7 @@ class Topology:
             self.bandwidth[np.ix_(keep, keep)],
             self.latency[np.ix_(keep, keep)],
             self.measured[np.ix_(keep, keep)],
+            self.codec[keep],
         )
 
     def link_records(self, measured_at: float) -> list[LinkRecord]:
@@ -155,6 +175,8 @@ class Topology:
             raise PlanningError("link bandwidths must be positive numbers (no NaN, no zero)")
         if np.any(np.isnan(self.latency)) or np.any(self.latency < 0):
             raise PlanningError("link latencies must be >= 0 (no NaN)")
+        if self.codec.shape != (n, len(CODEC_TERMS)) or not np.all((self.codec >= 0) & (self.codec < 1)):
+            raise PlanningError(f"Top-K coding seconds must be (n, {len(CODEC_TERMS)}) values in [0, 1)")
 
 
 def _check_connected(ids: tuple[str, ...], measured: np.ndarray) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from fusionp2p.errors import ProfileError
 from fusionp2p.records import TRAIN_FLOPS
+from fusionp2p.runtime.codec_profile import measure_codec
 from fusionp2p.runtime.throttle import Throttle
 
 __all__ = [
@@ -33,7 +34,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_CACHE_VERSION = 2  # 2: TRAIN_FLOPS
+_CACHE_VERSION = 3  # 2: TRAIN_FLOPS; 3: topk_codec_s
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class DeviceProfile:
     torch_version: str = torch.__version__
     executors: tuple[str, ...] = ("torch",)
     measured: dict[str, bool] = field(default_factory=dict)  # False where --flops overrode it
+    topk_codec_s: dict[str, float] = field(default_factory=dict)  # records.CODEC_TERMS; {}: not measured
 
 
 def _device_name(device: torch.device) -> str:
@@ -144,8 +146,9 @@ def _time_training(device: torch.device, budget_s: float, throttle: Throttle) ->
 
 
 def measure_device(device: str, *, budget_s: float = 0.5, speed: float = 1.0) -> DeviceProfile:
-    """Times matmuls on ``device`` (fp32 always; bf16/fp16 where they run), each slowed to
-    an emulated ``speed`` (``runtime.throttle``; 1: as it is).
+    """Times matmuls on ``device`` (fp32 always; bf16/fp16 where they run), a transformer
+    block's training step and Top-K coding (``runtime.codec_profile``), each slowed to an
+    emulated ``speed`` (``runtime.throttle``; 1: as it is).
 
     Raises:
         ProfileError: the device is missing or fp32 matmul fails.
@@ -172,6 +175,7 @@ def measure_device(device: str, *, budget_s: float = 0.5, speed: float = 1.0) ->
         flops=flops,
         total_memory_bytes=total,
         measured={k: True for k in flops},
+        topk_codec_s=measure_codec(device, throttle=throttle),
     )
 
 

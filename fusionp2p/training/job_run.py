@@ -171,8 +171,11 @@ class JobRun:
             peers=self.stage_peers,
             method=submitted.plan.method,
             estimate_s=submitted.plan.iteration_s,
-            stage_compute_estimate_s=[
-                round(c * submitted.plan.n_micro_batches, 4) for c in submitted.plan.estimate.compute_s
+            stage_compute_estimate_s=[  # what a stage reports: its compute and its Top-K coding
+                round((c + k) * submitted.plan.n_micro_batches, 4)
+                for c, k in zip(
+                    submitted.plan.estimate.compute_s, submitted.plan.estimate.codec_s, strict=True
+                )
             ],
             ratios=sorted({round(r, 2) for r in submitted.plan.ratios.values()}),
         )
