@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from fusionp2p.opdag.ir import OpDag
-from fusionp2p.planning.cost import CostConfig, codec_seconds
+from fusionp2p.planning.cost import CostConfig
 from fusionp2p.planning.topology import Topology
 
 __all__ = ["ChainCosts"]
@@ -58,10 +58,8 @@ class ChainCosts:
             zeros = np.zeros_like(self.cut)
             return zeros, zeros
         wire = self.cost.wire.wire_bytes(self.cut, ratio)
-        coding = codec_seconds(
-            self.cut / self.cost.wire.dense_value_bytes, ratio, *self.topo.link_codec(src, dst)
-        )
-        fwd = self.topo.latency[src, dst] + wire / self.topo.bandwidth[src, dst] + coding
+        send, recv = self.topo.coding_s(src, dst, self.cut / self.cost.wire.dense_value_bytes, ratio)
+        fwd = self.topo.latency[src, dst] + wire / self.topo.bandwidth[src, dst] + send + recv
         bwd = self.topo.latency[dst, src] + wire / self.topo.bandwidth[dst, src]
         return fwd, bwd
 

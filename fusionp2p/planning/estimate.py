@@ -23,7 +23,6 @@ from fusionp2p.opdag.ir import OpDag
 from fusionp2p.planning.cost import (
     CostConfig,
     adaptive_ratios,
-    codec_seconds,
     planned_budgets,
     planned_ratios,
     stage_in_flight,
@@ -167,8 +166,7 @@ def estimate(
         r = float(ratios.get((a, b), 1.0))
         wire = float(cost.wire.wire_bytes(traffic[a, b], r))
         numel = traffic[a, b] / cost.wire.dense_value_bytes
-        send = float(codec_seconds(numel, r, topo.codec[pa, 0], topo.codec[pa, 1]))
-        recv = float(codec_seconds(numel, r, topo.codec[pb, 2], topo.codec[pb, 3]))
+        send, recv = (float(t) for t in topo.coding_s(pa, pb, numel, r))
         coding[a] += send
         coding[b] += recv
         links.append(
@@ -186,9 +184,9 @@ def estimate(
 
     critical = _critical_path(fwd, bwd, [(lk.src, lk.dst, lk.fwd_s + lk.codec_s, lk.bwd_s) for lk in links])
 
-    busy: dict[object, float] = {}  # peers, then link directions
+    busy: dict[object, float] = {**compute}  # peers, then link directions
     for k, p in enumerate(peers):
-        busy[p] = busy.get(p, 0.0) + fwd[k] + bwd[k] + coding[k]
+        busy[p] += coding[k]
     for lk in links:
         pa, pb = peers[lk.src], peers[lk.dst]
         if pa != pb:

@@ -14,13 +14,7 @@ import numpy as np
 
 from fusionp2p.opdag.ir import OpDag
 from fusionp2p.planning.chain import ChainCosts
-from fusionp2p.planning.cost import (
-    CostConfig,
-    adaptive_ratios,
-    codec_seconds,
-    planned_budgets,
-    planned_ratios,
-)
+from fusionp2p.planning.cost import CostConfig, adaptive_ratios, planned_budgets, planned_ratios
 from fusionp2p.planning.estimate import Stage, estimate
 from fusionp2p.planning.plan import Plan
 from fusionp2p.planning.topology import PlanningError, Topology
@@ -52,6 +46,7 @@ def exact_plan(
     f_pre, b_pre = ch.flops_fwd, ch.flops_bwd
     n_b = cost.n_micro_batches
     best_t, best_assign = math.inf, None
+    codec = topo.codec
     for k in range(1, min(p_count, n) + 1):
         combos = list(itertools.combinations(range(1, n), k - 1))
         cuts = np.array(combos, dtype=int).reshape(len(combos), k - 1)
@@ -69,7 +64,7 @@ def exact_plan(
             fits = np.all(mem <= cost.memory_headroom * topo.memory[seq_a], axis=1)
             if not fits.any():
                 continue
-            speed, codec = topo.speed[seq_a], topo.codec
+            speed = topo.speed[seq_a]
             cf, cb = flops_f / speed, flops_b / speed
             src, dst = seq_a[:-1], seq_a[1:]
             lat_f, lat_b = topo.latency[src, dst], topo.latency[dst, src]
@@ -85,14 +80,13 @@ def exact_plan(
                     planned_budgets(slow_lat, budget, fastest, k - 1, cost.compression),
                     cost.compression,
                     cost.wire,
-                    (codec[src, 0] + codec[dst, 2], codec[src, 1] + codec[dst, 3]),
+                    (codec[src, 0] + codec[dst, 2], codec[src, 1] + codec[dst, 3]),  # both sides
                 )
             else:
                 ratios = adaptive_ratios(lat_f + cut_bytes / bw_f, cost.compression)
             wire = cost.wire.wire_bytes(cut_bytes, ratios)
             numel = cut_bytes / cost.wire.dense_value_bytes
-            send = codec_seconds(numel, ratios, codec[src, 0], codec[src, 1])
-            recv = codec_seconds(numel, ratios, codec[dst, 2], codec[dst, 3])
+            send, recv = topo.coding_s(src, dst, numel, ratios)
             lf, lb = lat_f + wire / bw_f + send + recv, lat_b + wire / bw_b
             critical = cf.sum(1) + cb.sum(1) + lf.sum(1) + lb.sum(1)
             busy = cf + cb

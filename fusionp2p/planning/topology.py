@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fusionp2p.errors import FusionP2PError
+from fusionp2p.planning.cost import codec_seconds
 from fusionp2p.planning.infer import infer_unmeasured
 from fusionp2p.records import CODEC_TERMS, LinkRecord, PeerRecord
 
@@ -44,6 +45,20 @@ class Topology:
 
     def __len__(self) -> int:
         return len(self.peer_ids)
+
+    def coding_s(
+        self,
+        src: np.ndarray | int,
+        dst: np.ndarray | int,
+        numel: np.ndarray | float,
+        ratio: np.ndarray | float,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(sender, receiver) seconds of Top-K coding for ``numel`` elements sent ``src -> dst``
+        at ``ratio`` (``cost.codec_seconds``; peers may be index arrays)."""
+        return (
+            codec_seconds(numel, ratio, self.codec[src, 0], self.codec[src, 1]),
+            codec_seconds(numel, ratio, self.codec[dst, 2], self.codec[dst, 3]),
+        )
 
     def link_codec(self, src: int, dst: int) -> tuple[float, float]:
         """Top-K coding of a link ``src -> dst``, both sides together: (seconds per dense
