@@ -9,7 +9,9 @@ Builds the testbed of ``--topology`` (``benchmarks/testbed``: clusters of hosts 
 namespaces, ``tc tbf`` per direction between clusters), checks each WAN direction with one
 TCP flow, and starts a real ``fusionp2p peer`` in every host but the first (the data owner's),
 each emulating its cluster's device speed (``--emulated-speed``; the profiler measures the
-slowed device, once per speed, cached as a peer's restart would find it). The peers measure
+slowed device, once per speed, cached as a peer's restart would find it) and declaring its
+cluster as its ``--site`` (a cluster reaches another through one shaped link, which the
+planner then counts as shared by every transfer between the two). The peers measure
 their links themselves; once every pair is measured, the data owner runs ``fusionp2p
 train`` once per cell of {equal-number, equal-computation, OP-Fence} x {no compression,
 uniform Top-K, the paper's adaptive Top-K, planned Top-K}: the elected coordinator plans
@@ -169,7 +171,7 @@ def run_cell(
     config.write_text(job.toml(planner, policy, n_peers=n_peers, out_dir=str(out_dir)))
     log = work / f"{name}.log"
     argv = [sys.executable, "-m", "fusionp2p", "--log-level", "warning", "train", "--no-progress"]
-    argv += ["--config", str(config), "--swarm", SWARM, "--initial-peers", *initial]
+    argv += ["--config", str(config), "--swarm", SWARM, "--site", owner.cluster, "--initial-peers", *initial]
     began = time.monotonic()
     row: dict[str, Any] = {"planner": planner, "compression": policy}
     with log.open("w") as out:
@@ -331,7 +333,9 @@ def run_matrix(
             workdir=str(work / "peers"),
             launchers=[h.wrap([]) for h in hosts],
             host_maddrs=[f"/ip4/{h.ip}/tcp/0" for h in hosts],
-            peer_args=[[*PEER_ARGS, "--emulated-speed", str(speed[h.cluster])] for h in hosts],
+            peer_args=[
+                [*PEER_ARGS, "--emulated-speed", str(speed[h.cluster]), "--site", h.cluster] for h in hosts
+            ],
             log_level="warning",
             env=env,
         )

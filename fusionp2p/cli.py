@@ -36,7 +36,7 @@ __all__ = ["main"]
 logger = logging.getLogger("fusionp2p.cli")
 
 
-def _add_swarm_args(parser: argparse.ArgumentParser) -> None:
+def _add_swarm_args(parser: argparse.ArgumentParser, *, site: bool = True) -> None:
     parser.add_argument(
         "--initial-peers",
         nargs="*",
@@ -45,6 +45,13 @@ def _add_swarm_args(parser: argparse.ArgumentParser) -> None:
         help="multiaddrs of live peers (printed by `fusionp2p peer`)",
     )
     parser.add_argument("--swarm", default=DEFAULT_SWARM, help="swarm name (default: %(default)s)")
+    if site:  # for the processes that publish themselves: a peer, a data owner
+        parser.add_argument(
+            "--site",
+            default="",
+            help="the data centre this machine is in: machines of one site share its links to other "
+            "sites, and the planner counts those transfers together (default: none, every link its own)",
+        )
 
 
 def _size(text: str) -> int:
@@ -168,7 +175,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
 
     status = sub.add_parser("status", help="print a swarm's live peers and measured links")
-    _add_swarm_args(status)
+    _add_swarm_args(status, site=False)
     status.add_argument("--json", action="store_true", help="machine-readable output")
 
     add_train_parser(sub, _add_swarm_args)
@@ -258,6 +265,7 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         flops_override=args.flops,
         emulated_speed=args.emulated_speed,
         upload_limit_mbps=args.upload_limit_mbps,
+        site=args.site,
         heartbeat=args.heartbeat,
         record_ttl=args.record_ttl,
         probe=ProbeConfig(period=args.probe_period, fanout=args.probe_fanout),
@@ -290,13 +298,13 @@ def format_status(peers: list[PeerRecord], links: list[LinkRecord], now: float) 
     """Human-readable tables of peers and of the bandwidth/RTT matrix."""
     rows = [
         f"{len(peers)} live peer(s)",
-        f"{'PEER':<10} {'DEVICE':<8} {'NAME':<16} {'GFLOP/s':>9} {'FREE MEM':>10} {'AGE':>6} {'STATE':<8}",
+        f"{'PEER':<10} {'DEVICE':<8} {'NAME':<16} {'GFLOP/s':>9} {'FREE MEM':>10} {'AGE':>6} {'STATE':<8} SITE",
     ]
     for p in peers:
         rows.append(
             f"{_short(p.peer_id):<10} {p.device:<8} {p.device_name[:16]:<16} "
             f"{p.fp32_flops / 1e9:>9.1f} {p.memory_bytes / 2**30:>7.1f} GiB "
-            f"{now - p.started_at:>5.0f}s {p.state:<8}"
+            f"{now - p.started_at:>5.0f}s {p.state:<8} {p.site[:16] or '-'}"
         )
     ids = [p.peer_id for p in peers]
     table = {(lk.src, lk.dst): lk for lk in links}

@@ -88,7 +88,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             swarm.train(job, progress=not args.no_progress, resume=args.resume)
         print("the local swarm stopped; no peer process is left.")
         return 0
-    with Swarm(args.initial_peers, swarm=args.swarm) as swarm:
+    with Swarm(args.initial_peers, swarm=args.swarm, site=args.site) as swarm:
         swarm.train(job, progress=not args.no_progress, resume=args.resume)
     return 0
 

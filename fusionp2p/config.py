@@ -22,6 +22,7 @@ __all__ = [
     "PeerConfig",
     "ProbeConfig",
     "Timeouts",
+    "check_site",
     "format_bytes",
     "load_json_object",
     "parse_bytes",
@@ -82,6 +83,19 @@ def load_json_object(
     if not isinstance(body, dict):
         raise ConfigError(f"{what} must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def check_site(site: object, where: str) -> str:
+    """``site`` if it is a data-centre label a PeerRecord can carry (``records.SITE_PATTERN``).
+
+    Raises:
+        ConfigError: not up to 64 letters, digits, '.', '_' or '-'.
+    """
+    from fusionp2p.records import SITE_PATTERN
+
+    if not isinstance(site, str) or not SITE_PATTERN.fullmatch(site):
+        raise ConfigError(f"{where} takes up to 64 letters, digits, '.', '_' or '-', got {site!r:.80}")
+    return site
 
 
 def check_peer_maddr(maddr: object, where: str) -> str:
@@ -233,6 +247,7 @@ class PeerConfig:
     flops_override: float | None = None  # declared fp32 FLOP/s, replacing the measured one
     emulated_speed: float = 1.0  # testbeds: profile and compute as a device this much as fast, in (0, 1]
     upload_limit_mbps: float | None = None  # cap on this peer's outgoing stream traffic
+    site: str = ""  # the data centre this peer is in: peers of one site share links to other sites
     heartbeat: float = 5.0  # seconds between PeerRecord/LinkRecord refreshes
     record_ttl: float = 20.0  # seconds a record lives without a heartbeat
     probe: ProbeConfig = field(default_factory=ProbeConfig)
@@ -274,6 +289,7 @@ class PeerConfig:
             _positive("PeerConfig", flops_override=self.flops_override)
         if self.upload_limit_mbps is not None:
             _positive("PeerConfig", upload_limit_mbps=self.upload_limit_mbps)
+        check_site(self.site, "PeerConfig.site")
         if not 0 < self.emulated_speed <= 1:
             raise ConfigError(f"PeerConfig.emulated_speed must be in (0, 1], got {self.emulated_speed}")
         for target in self.allow_models:

@@ -36,8 +36,9 @@ PLAN_METHODS = (
 )
 
 
-def self_record(peer_id: str, device: str = "cpu") -> PeerRecord:
-    """This process as a peer would publish itself (measured once per device, then cached)."""
+def self_record(peer_id: str, device: str = "cpu", site: str = "") -> PeerRecord:
+    """This process as a peer would publish itself (measured once per device, then cached),
+    in the declared ``site`` (``PeerRecord.site``)."""
     profile = profile_device(device)
     free, total = free_memory(device)
     now = get_dht_time()
@@ -48,6 +49,7 @@ def self_record(peer_id: str, device: str = "cpu") -> PeerRecord:
         device_name=profile.device_name[:64],
         flops=dict(profile.flops),
         topk_codec_s=dict(profile.topk_codec_s),
+        site=site,
         memory_bytes=free,
         total_memory_bytes=total,
         state="training",

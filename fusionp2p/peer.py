@@ -223,6 +223,7 @@ class Peer:
             device_name=self.profile.device_name[:64],
             flops=dict(self.profile.flops),
             topk_codec_s=dict(self.profile.topk_codec_s),
+            site=self.config.site,
             memory_bytes=free,
             total_memory_bytes=total,
             state=self.state,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, NoReturn, TypeVar, get_type_hints
@@ -32,6 +33,7 @@ __all__ = [
     "PEER_STATES",
     "RUN_EVENTS",
     "RUN_EVENT_CHARS",
+    "SITE_PATTERN",
     "TRAIN_FLOPS",
     "ExecControl",
     "LeaseRecord",
@@ -152,6 +154,7 @@ TRAIN_FLOPS = "train_float32"  # PeerRecord.flops key: a transformer block's for
 # the sending side (encode the activation, decode its gradient) and the receiving side (decode
 # the activation, gather its gradient at the kept positions)
 CODEC_TERMS = ("send_element_s", "send_entry_s", "recv_element_s", "recv_entry_s")
+SITE_PATTERN = re.compile(r"[A-Za-z0-9._-]{0,64}")  # PeerRecord.site; "" for none
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,7 @@ class PeerRecord(_WireRecord):
     """A peer's measured profile and addresses, refreshed by its heartbeat."""
 
     KIND: ClassVar[str] = "peer"
-    VERSION: ClassVar[int] = 3  # 2: units in the field names, job, stage_s; 3: topk_codec_s
+    VERSION: ClassVar[int] = 4  # 2: units in the field names, job, stage_s; 3: topk_codec_s; 4: site
 
     peer_id: str  # base58 libp2p PeerID; must match the key that signed the record
     maddrs: tuple[str, ...]  # multiaddrs others can dial
@@ -244,10 +247,13 @@ class PeerRecord(_WireRecord):
     job: str = ""  # the job whose stage it runs, while training
     stage_s: float = 0.0  # that stage's compute seconds in its last iteration
     topk_codec_s: dict[str, float] = field(default_factory=dict)  # CODEC_TERMS, measured; {}: unknown
+    site: str = ""  # declared data centre: peers of one site share its links to other sites
 
     def __post_init__(self) -> None:
         if not self.peer_id:
             raise RecordError("PeerRecord.peer_id is empty")
+        if not SITE_PATTERN.fullmatch(self.site):
+            raise RecordError(f"PeerRecord.site takes up to 64 of [A-Za-z0-9._-], got {self.site[:80]!r}")
         if set(self.topk_codec_s) - set(CODEC_TERMS) or not all(
             0 <= v < 1 for v in self.topk_codec_s.values()
         ):

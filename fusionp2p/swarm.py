@@ -27,7 +27,7 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from fusionp2p.compression import RatioWarmup
-from fusionp2p.config import DEFAULT_SWARM, OptimizerConfig, check_peer_maddr
+from fusionp2p.config import DEFAULT_SWARM, OptimizerConfig, check_peer_maddr, check_site
 from fusionp2p.coordination.election import lease_in_force
 from fusionp2p.data_owner import plan_job, probe_from, self_record
 from fusionp2p.errors import ConfigError, DeadlineError, SwarmError
@@ -91,8 +91,14 @@ class Swarm:
     """
 
     def __init__(
-        self, initial_peers: Sequence[str], *, swarm: str = DEFAULT_SWARM, timeout: float = 15.0
+        self,
+        initial_peers: Sequence[str],
+        *,
+        swarm: str = DEFAULT_SWARM,
+        timeout: float = 15.0,
+        site: str = "",
     ) -> None:
+        self.site = check_site(site, "Swarm site")  # this data owner's, as PeerRecord.site
         if not initial_peers:
             raise SwarmError(
                 "Swarm needs at least one initial peer multiaddr (printed by `fusionp2p peer` at start)"
@@ -207,7 +213,7 @@ class Swarm:
         peers = sorted(await self.apeers(), key=lambda p: -p.fp32_flops)[:max_peers]
         chosen = {p.peer_id for p in peers}
         links = [lk for lk in await self.alinks() if lk.src in chosen and lk.dst in chosen]
-        me = await asyncio.to_thread(self_record, transport.peer_id)
+        me = await asyncio.to_thread(self_record, transport.peer_id, "cpu", self.site)
         mine = await probe_from(transport, peers, nbytes=probe_bytes)
         return Topology.from_records([*peers, me], [*links, *mine])
 
@@ -246,6 +252,7 @@ class Swarm:
     ) -> SubmittedJob:
         """Submits ``job`` to the elected coordinator: the plan it published. ``kwargs`` go
         to ``training.submit.submit_job`` (a re-plan's ``replaces``, ``exclude``, ``speeds``)."""
+        kwargs.setdefault("site", self.site)
         return await submit_job(await self._transport(), self._directory, job, registry=registry, **kwargs)
 
     def submit(self, job: JobSpec, **kwargs: Any) -> SubmittedJob:

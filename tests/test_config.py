@@ -19,6 +19,8 @@ def test_defaults_are_valid() -> None:
         (lambda: PeerConfig(heartbeat=10.0, record_ttl=15.0), "twice"),
         (lambda: PeerConfig(upload_limit_mbps=-5.0), "upload_limit_mbps"),
         (lambda: PeerConfig(flops_override=float("nan")), "flops_override"),
+        (lambda: PeerConfig(site="dc east"), "site"),
+        (lambda: PeerConfig(site="x" * 65), "site"),
         (lambda: ProbeConfig(fanout=0), "fanout"),
         (lambda: ProbeConfig(min_bytes=10, initial_bytes=5), "min_bytes"),
         (lambda: ProbeConfig(ewma_alpha=1.5), "ewma_alpha"),

@@ -9,6 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from fusionp2p.errors import RecordError
 from fusionp2p.opdag import OpDag, OpNode, TransformerShape, transformer_dag
 from fusionp2p.planning import (
     BASELINES,
@@ -204,7 +205,10 @@ CODING = np.array([[2e-9, 4e-8, 1e-10, 1e-8], [1e-9, 2e-8, 5e-11, 5e-9], [4e-9, 
 
 @pytest.mark.parametrize("kind", ["adaptive", "planned"])
 @pytest.mark.parametrize("coding", [False, True], ids=["free-topk", "measured-topk"])
-def test_exact_solver_agrees_with_brute_force_over_estimate(kind: str, coding: bool) -> None:
+@pytest.mark.parametrize("sites", [None, (0, 1, 0)], ids=["own-links", "shared-site-links"])
+def test_exact_solver_agrees_with_brute_force_over_estimate(
+    kind: str, coding: bool, sites: tuple[int, ...] | None
+) -> None:
     dag = OpDag.from_unordered(
         [
             OpNode(
@@ -222,7 +226,13 @@ def test_exact_solver_agrees_with_brute_force_over_estimate(kind: str, coding: b
     )
     bw = np.array([[0, 2e8, 3e6], [1e8, 0, 5e7], [4e6, 6e7, 0]])
     topo = Topology.from_arrays(
-        ["a", "b", "c"], [1e12, 3e12, 2e12], [GB] * 3, bw, np.full((3, 3), 0.005), CODING if coding else None
+        ["a", "b", "c"],
+        [1e12, 3e12, 2e12],
+        [GB] * 3,
+        bw,
+        np.full((3, 3), 0.005),
+        CODING if coding else None,
+        sites,
     )
     cost = CostConfig(n_micro_batches=6, compression=CompressionPolicy(kind=kind, ratio=10.0))
     brute = math.inf
@@ -451,3 +461,70 @@ def test_measured_topk_coding_travels_in_peer_records_into_the_topology() -> Non
     other = topo.peer_ids[(row + 1) % 3]
     assert topo.link_codec(row, (row + 1) % 3) == pytest.approx((1e-9, 2e-8))
     assert topo.subset([other, peers[0].peer_id]).codec[1].tolist() == [1e-9, 2e-8, 3e-10, 4e-9]
+
+
+def _chain_dag(n: int, output_bytes: int = 1_000_000) -> OpDag:
+    return OpDag.from_unordered(
+        [
+            OpNode(
+                f"n{i}",
+                "x",
+                (f"n{i - 1}",) if i else (),
+                fwd_flops=1e11,
+                bwd_flops=2e11,
+                output_bytes=output_bytes,
+            )
+            for i in range(n)
+        ]
+    )
+
+
+def test_transfers_between_two_sites_share_one_link_per_direction() -> None:
+    dag = _chain_dag(4)  # 1 MB between each pair of stages, 0.3 s of compute per stage
+    sites = (0, 1, 0, 1)  # a0 b0 a1 b1: the chain crosses from site 0 to site 1 twice
+    bw = np.full((4, 4), 1e7)
+    own = Topology.from_arrays(["a0", "b0", "a1", "b1"], [1e12] * 4, [GB] * 4, bw)
+    shared = Topology.from_arrays(own.peer_ids, own.speed, own.memory, bw, site=sites)
+    cost = CostConfig(n_micro_batches=8, compression=CompressionPolicy(kind="none"))
+    stages = [Stage(p, (p,)) for p in range(4)]
+    alone, together = estimate(dag, own, stages, cost), estimate(dag, shared, stages, cost)
+    assert alone.bottleneck_s == pytest.approx(0.3)  # compute; each pair's link: 0.1 s each way
+    # site 0 -> 1 carries a0->b0 and a1->b1 forward and b0->a1's gradients: 3 x 0.1 s
+    assert together.bottleneck_s == pytest.approx(0.3)
+    assert together.critical_path_s == pytest.approx(alone.critical_path_s)  # one micro-batch alone
+    heavy = _chain_dag(4, output_bytes=3_000_000)  # 0.3 s per transfer
+    assert estimate(heavy, own, stages, cost).bottleneck_s == pytest.approx(0.3)
+    assert estimate(heavy, shared, stages, cost).bottleneck_s == pytest.approx(3 * 0.3)
+    assert Topology.from_arrays(own.peer_ids, own.speed, own.memory, bw).link_resource(0, 2) == ("site", 0, 2)
+    assert shared.link_resource(0, 2) == ("pair", 0, 2)  # inside one site: the pair's own link
+    assert shared.link_resource(0, 3) == shared.link_resource(2, 1) == ("site", 0, 1)
+
+
+def test_planned_ratios_split_a_shared_site_link_between_its_transfers() -> None:
+    dag = _chain_dag(4, output_bytes=4_000_000)  # 1M fp32 elements per transfer
+    bw = np.full((4, 4), 1e7)
+    cost = CostConfig(n_micro_batches=8, compression=CompressionPolicy(kind="planned", max_ratio=1000.0))
+    stages = [Stage(p, (p,)) for p in range(4)]
+    own = Topology.from_arrays(["a0", "b0", "a1", "b1"], [1e12] * 4, [GB] * 4, bw)
+    shared = Topology.from_arrays(own.peer_ids, own.speed, own.memory, bw, site=(0, 1, 0, 1))
+    alone, together = estimate(dag, own, stages, cost), estimate(dag, shared, stages, cost)
+    # three transfers share each site direction: each gets a third of the link
+    assert [lk.ratio for lk in together.links] == pytest.approx(
+        [3 * lk.ratio for lk in alone.links], rel=0.02
+    )
+    assert together.bottleneck_s == pytest.approx(alone.bottleneck_s, rel=0.02)  # still hidden under compute
+
+
+def test_a_declared_site_travels_in_peer_records_and_is_validated() -> None:
+    peers, links = _records(3, [(0, 1, 1e8), (1, 2, 1e8)])
+    peers = [replace(peers[0], site="dc-east"), replace(peers[1], site="dc-east"), peers[2]]
+    topo = Topology.from_records(peers, links)
+    row = {pid: i for i, pid in enumerate(topo.peer_ids)}
+    a, b, c = (row[p.peer_id] for p in peers)
+    assert topo.site[a] == topo.site[b] != topo.site[c]
+    assert topo.link_resource(a, b) == ("pair", a, b)
+    pair = topo.subset([peers[1].peer_id, peers[2].peer_id])
+    assert pair.link_resource(0, 1) == ("site", int(pair.site[0]), int(pair.site[1]))
+    for bad in ("x" * 65, "dc east", "dc/east", "é"):
+        with pytest.raises(RecordError, match="site"):
+            replace(peers[0], site=bad)

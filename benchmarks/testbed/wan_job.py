@@ -173,6 +173,7 @@ def nominal_records(
                 device_name="cpu",
                 flops=dict(devices[cluster.slowdown].flops),
                 topk_codec_s=dict(devices[cluster.slowdown].topk_codec_s),
+                site=cluster.name,
                 memory_bytes=memory_bytes,
                 total_memory_bytes=2 * memory_bytes,
                 state="idle",

@@ -5,8 +5,9 @@ micro-batch, stage s computes for ``flops / speed``; each pair of stages with tr
 forward link (activations) and a backward link (gradients), each ``alpha + wire / bw`` in
 its own direction; a compressed link also costs Top-K coding time on both of its peers,
 on their devices and on the forward path. Resources are peers (their stages share one
-device) and directed peer pairs. With ``L`` the forward plus backward critical path and
-``B`` the busiest resource:
+device) and directed links: a peer pair's own inside a site, one shared link per direction
+between two sites (``Topology.link_resource``). With ``L`` the forward plus backward
+critical path and ``B`` the busiest resource:
 
     sequential (one micro-batch at a time):  n_b * L
     pipelined  (n_b micro-batches in flight): L + (n_b - 1) * B
@@ -29,7 +30,7 @@ from fusionp2p.planning.cost import (
 )
 from fusionp2p.planning.topology import PlanningError, Topology
 
-__all__ = ["Estimate", "LinkEstimate", "Stage", "estimate", "estimate_segments"]
+__all__ = ["Estimate", "LinkEstimate", "Stage", "estimate", "estimate_segments", "shared_bandwidth"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,25 @@ def _critical_path(fwd: np.ndarray, bwd: np.ndarray, hops: Sequence[tuple[int, i
     return float(finish_f.max() + finish_b.max())
 
 
+def shared_bandwidth(topo: Topology, links: Sequence[tuple[int, int]]) -> np.ndarray:
+    """Per link ``(src peer, dst peer)``: the slower direction's bandwidth divided by how
+    many of these links' transfers (activations one way, gradients back) share its link."""
+    uses: dict[tuple[str, int, int], int] = {}
+    for a, b in links:
+        for key in (topo.link_resource(a, b), topo.link_resource(b, a)):
+            uses[key] = uses.get(key, 0) + 1
+    return np.array(
+        [
+            min(
+                topo.bandwidth[a, b] / uses[topo.link_resource(a, b)],
+                topo.bandwidth[b, a] / uses[topo.link_resource(b, a)],
+            )
+            for a, b in links
+        ],
+        dtype=float,
+    )
+
+
 def estimate(
     dag: OpDag,
     topo: Topology,
@@ -133,9 +153,7 @@ def estimate(
         compute[p] = compute.get(p, 0.0) + fwd[k] + bwd[k]
     if ratios is None and cost.compression.kind == "planned":
         budget = max(compute.values(), default=0.0)
-        slow_bw = [
-            min(topo.bandwidth[peers[a], peers[b]], topo.bandwidth[peers[b], peers[a]]) for a, b in remote
-        ]
+        slow_bw = shared_bandwidth(topo, [(peers[a], peers[b]) for a, b in remote])
         slow_lat = np.array(
             [max(topo.latency[peers[a], peers[b]], topo.latency[peers[b], peers[a]]) for a, b in remote]
         )
@@ -146,7 +164,7 @@ def estimate(
         codec = np.array([topo.link_codec(peers[a], peers[b]) for a, b in remote]).reshape(-1, 2)
         planned = planned_ratios(
             np.array([traffic[ab] for ab in remote], dtype=float),
-            np.array(slow_bw),
+            slow_bw,
             slow_lat,
             planned_budgets(slow_lat, budget, fastest, len(remote), cost.compression),
             cost.compression,
@@ -184,14 +202,17 @@ def estimate(
 
     critical = _critical_path(fwd, bwd, [(lk.src, lk.dst, lk.fwd_s + lk.codec_s, lk.bwd_s) for lk in links])
 
-    busy: dict[object, float] = {**compute}  # peers, then link directions
+    busy: dict[object, float] = {**compute}  # peers, then links (Topology.link_resource)
     for k, p in enumerate(peers):
         busy[p] += coding[k]
     for lk in links:
         pa, pb = peers[lk.src], peers[lk.dst]
         if pa != pb:
-            busy[pa, pb] = busy.get((pa, pb), 0.0) + lk.fwd_s
-            busy[pb, pa] = busy.get((pb, pa), 0.0) + lk.bwd_s
+            for key, seconds in (
+                (topo.link_resource(pa, pb), lk.fwd_s),
+                (topo.link_resource(pb, pa), lk.bwd_s),
+            ):
+                busy[key] = busy.get(key, 0.0) + seconds
     bottleneck = max(busy.values())
 
     memory = [

@@ -15,7 +15,7 @@ import numpy as np
 from fusionp2p.opdag.ir import OpDag
 from fusionp2p.planning.chain import ChainCosts
 from fusionp2p.planning.cost import CostConfig, adaptive_ratios, planned_budgets, planned_ratios
-from fusionp2p.planning.estimate import Stage, estimate
+from fusionp2p.planning.estimate import Stage, estimate, shared_bandwidth
 from fusionp2p.planning.plan import Plan
 from fusionp2p.planning.topology import PlanningError, Topology
 
@@ -75,7 +75,7 @@ def exact_plan(
                 slow_lat = np.maximum(lat_f, lat_b)
                 ratios = planned_ratios(
                     cut_bytes,
-                    np.minimum(bw_f, bw_b),
+                    shared_bandwidth(topo, list(zip(src.tolist(), dst.tolist(), strict=True))),
                     slow_lat,
                     planned_budgets(slow_lat, budget, fastest, k - 1, cost.compression),
                     cost.compression,
@@ -94,7 +94,14 @@ def exact_plan(
             busy[:, 1:] += recv
             bottleneck = np.max(busy, axis=1)
             if k > 1:
-                bottleneck = np.maximum(bottleneck, np.maximum(lf.max(1), lb.max(1)))
+                on_link: dict[tuple[str, int, int], np.ndarray] = {}  # Topology.link_resource
+                for j in range(k - 1):
+                    for key, seconds in (
+                        (topo.link_resource(seq[j], seq[j + 1]), lf[:, j]),
+                        (topo.link_resource(seq[j + 1], seq[j]), lb[:, j]),
+                    ):
+                        on_link[key] = on_link.get(key, 0.0) + seconds
+                bottleneck = np.maximum(bottleneck, np.max(list(on_link.values()), axis=0))
             total = np.where(fits, critical + (n_b - 1) * bottleneck, np.inf)
             i = int(np.argmin(total))
             if total[i] < best_t:

@@ -38,10 +38,21 @@ class Topology:
     measured: np.ndarray  # (n, n) bool: this direction (or its reverse) was probed
     # (n, 4) seconds of Top-K coding per peer, columns as records.CODEC_TERMS; 0 where unknown
     codec: np.ndarray = field(default_factory=lambda: np.zeros((0, len(CODEC_TERMS))))
+    # (n,) int: peers of one site (a data centre, one declared --site) reach another site
+    # through one shared link per direction; by default every peer is its own site
+    site: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=int))
 
     def __post_init__(self) -> None:
         if len(self.codec) == 0 and self.peer_ids:
             object.__setattr__(self, "codec", np.zeros((len(self.peer_ids), len(CODEC_TERMS))))
+        if len(self.site) == 0 and self.peer_ids:
+            object.__setattr__(self, "site", np.arange(len(self.peer_ids)))
+
+    def link_resource(self, src: int, dst: int) -> tuple[str, int, int]:
+        """What a transfer ``src -> dst`` occupies: the shared link from ``src``'s site to
+        ``dst``'s, or the pair's own link inside one site."""
+        a, b = int(self.site[src]), int(self.site[dst])
+        return ("site", a, b) if a != b else ("pair", int(src), int(dst))
 
     def __len__(self) -> int:
         return len(self.peer_ids)
@@ -77,9 +88,10 @@ class Topology:
         bandwidth: np.ndarray,
         latency: np.ndarray | None = None,
         codec: np.ndarray | None = None,
+        site: Sequence[int] | None = None,
     ) -> Topology:
         """A fully measured topology from plain arrays (tests, synthetic swarms); ``codec``
-        (n, 4) as ``Topology.codec``, free where not given."""
+        (n, 4) as ``Topology.codec``, free where not given; ``site`` as ``Topology.site``."""
         n = len(peer_ids)
         bw = np.array(bandwidth, dtype=float)
         lat = np.zeros((n, n)) if latency is None else np.array(latency, dtype=float)
@@ -93,6 +105,7 @@ class Topology:
             lat,
             ~np.eye(n, dtype=bool),
             np.zeros((n, len(CODEC_TERMS))) if codec is None else np.array(codec, dtype=float),
+            np.arange(n) if site is None else np.array(site, dtype=int),
         )
         topo.validate()
         return topo
@@ -123,7 +136,9 @@ class Topology:
         speed = np.array([by_id[i].train_flops for i in ids])
         memory = np.array([float(by_id[i].memory_bytes) for i in ids])
         codec = np.array([[by_id[i].topk_codec_s.get(t, 0.0) for t in CODEC_TERMS] for i in ids])
-        topo = cls(ids, speed, memory, bw, lat, measured, codec)
+        labels = [by_id[i].site or f"peer:{i}" for i in ids]  # no declared site: its own
+        site = np.array([labels.index(label) for label in labels])
+        topo = cls(ids, speed, memory, bw, lat, measured, codec, site)
         topo.validate()
         return topo
 
@@ -138,6 +153,7 @@ class Topology:
             self.latency[np.ix_(keep, keep)],
             self.measured[np.ix_(keep, keep)],
             self.codec[keep],
+            self.site[keep],
         )
 
     def subset(self, peer_ids: Sequence[str]) -> Topology:
@@ -152,6 +168,7 @@ class Topology:
             self.latency[np.ix_(keep, keep)],
             self.measured[np.ix_(keep, keep)],
             self.codec[keep],
+            self.site[keep],
         )
 
     def link_records(self, measured_at: float) -> list[LinkRecord]:
@@ -192,6 +209,8 @@ class Topology:
             raise PlanningError("link latencies must be >= 0 (no NaN)")
         if self.codec.shape != (n, len(CODEC_TERMS)) or not np.all((self.codec >= 0) & (self.codec < 1)):
             raise PlanningError(f"Top-K coding seconds must be (n, {len(CODEC_TERMS)}) values in [0, 1)")
+        if self.site.shape != (n,):
+            raise PlanningError(f"site labels must be one per peer, got shape {self.site.shape}")
 
 
 def _check_connected(ids: tuple[str, ...], measured: np.ndarray) -> None:

@@ -97,13 +97,15 @@ async def submit_job(
     replaces: str = "",
     exclude: tuple[str, ...] = (),
     speeds: tuple[tuple[str, float], ...] = (),
+    site: str = "",
 ) -> SubmittedJob:
     """Submits ``job`` to the swarm's coordinator and returns the plan it published.
 
     ``run_id`` is the job's id on the wire (default: its name and a random suffix). A
     re-plan of a running job names that job's wire id in ``replaces``: it does not wait for
     ``min_peers`` idle peers, may reuse the job's own stage owners, leaves out the peers in
-    ``exclude`` and scales peers' speeds by the measured ``speeds`` factors.
+    ``exclude`` and scales peers' speeds by the measured ``speeds`` factors. ``site`` is
+    the data owner's declared data centre (``PeerRecord.site``).
 
     Raises:
         ConfigError: the job's model family or config is refused here.
@@ -122,7 +124,7 @@ async def submit_job(
     else:
         peers = await wait_for_peers(directory, job.min_peers, job.wait_peers_s)
     lease = await find_coordinator(directory, timeout=max(job.wait_peers_s, 1.0))
-    me = await asyncio.to_thread(self_record, transport.peer_id)
+    me = await asyncio.to_thread(self_record, transport.peer_id, "cpu", site)
     candidates = [p for p in peers if p.peer_id != transport.peer_id and p.peer_id not in exclude]
     links = await probe_from(transport, candidates[:MAX_PROBED_PEERS])
     run_id = run_id or new_run_id(job.name)
