@@ -298,7 +298,8 @@ def format_status(peers: list[PeerRecord], links: list[LinkRecord], now: float) 
     """Human-readable tables of peers and of the bandwidth/RTT matrix."""
     rows = [
         f"{len(peers)} live peer(s)",
-        f"{'PEER':<10} {'DEVICE':<8} {'NAME':<16} {'GFLOP/s':>9} {'FREE MEM':>10} {'AGE':>6} {'STATE':<8} SITE",
+        f"{'PEER':<10} {'DEVICE':<8} {'NAME':<16} {'GFLOP/s':>9} {'FREE MEM':>10} {'AGE':>6} "
+        f"{'STATE':<8} SITE",
     ]
     for p in peers:
         rows.append(
