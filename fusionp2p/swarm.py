@@ -213,7 +213,7 @@ class Swarm:
         peers = sorted(await self.apeers(), key=lambda p: -p.fp32_flops)[:max_peers]
         chosen = {p.peer_id for p in peers}
         links = [lk for lk in await self.alinks() if lk.src in chosen and lk.dst in chosen]
-        me = await asyncio.to_thread(self_record, transport.peer_id, "cpu", self.site)
+        me = await asyncio.to_thread(self_record, transport.peer_id, site=self.site)
         mine = await probe_from(transport, peers, nbytes=probe_bytes)
         return Topology.from_records([*peers, me], [*links, *mine])
 

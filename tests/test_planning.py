@@ -292,7 +292,7 @@ def test_plan_travels_as_small_stage_records() -> None:
         Plan.stages_from_records(spread_records[:3] + spread_records[4:], dag)
 
 
-def _chain(params: list[float], saved: list[float]) -> OpDag:
+def _chain(params: list[float], saved: list[float], output_bytes: int = 10**6) -> OpDag:
     return OpDag.from_unordered(
         [
             OpNode(
@@ -302,7 +302,7 @@ def _chain(params: list[float], saved: list[float]) -> OpDag:
                 fwd_flops=1e11,
                 bwd_flops=2e11,
                 param_bytes=int(p),
-                output_bytes=10**6,
+                output_bytes=output_bytes,
                 saved_bytes=int(s),
             )
             for i, (p, s) in enumerate(zip(params, saved, strict=True))
@@ -463,24 +463,8 @@ def test_measured_topk_coding_travels_in_peer_records_into_the_topology() -> Non
     assert topo.subset([other, peers[0].peer_id]).codec[1].tolist() == [1e-9, 2e-8, 3e-10, 4e-9]
 
 
-def _chain_dag(n: int, output_bytes: int = 1_000_000) -> OpDag:
-    return OpDag.from_unordered(
-        [
-            OpNode(
-                f"n{i}",
-                "x",
-                (f"n{i - 1}",) if i else (),
-                fwd_flops=1e11,
-                bwd_flops=2e11,
-                output_bytes=output_bytes,
-            )
-            for i in range(n)
-        ]
-    )
-
-
 def test_transfers_between_two_sites_share_one_link_per_direction() -> None:
-    dag = _chain_dag(4)  # 1 MB between each pair of stages, 0.3 s of compute per stage
+    dag = _chain([0] * 4, [0] * 4)  # 1 MB between each pair of stages, 0.3 s of compute per stage
     sites = (0, 1, 0, 1)  # a0 b0 a1 b1: the chain crosses from site 0 to site 1 twice
     bw = np.full((4, 4), 1e7)
     own = Topology.from_arrays(["a0", "b0", "a1", "b1"], [1e12] * 4, [GB] * 4, bw)
@@ -492,7 +476,7 @@ def test_transfers_between_two_sites_share_one_link_per_direction() -> None:
     # site 0 -> 1 carries a0->b0 and a1->b1 forward and b0->a1's gradients: 3 x 0.1 s
     assert together.bottleneck_s == pytest.approx(0.3)
     assert together.critical_path_s == pytest.approx(alone.critical_path_s)  # one micro-batch alone
-    heavy = _chain_dag(4, output_bytes=3_000_000)  # 0.3 s per transfer
+    heavy = _chain([0] * 4, [0] * 4, output_bytes=3_000_000)  # 0.3 s per transfer
     assert estimate(heavy, own, stages, cost).bottleneck_s == pytest.approx(0.3)
     assert estimate(heavy, shared, stages, cost).bottleneck_s == pytest.approx(3 * 0.3)
     assert Topology.from_arrays(own.peer_ids, own.speed, own.memory, bw).link_resource(0, 2) == ("site", 0, 2)
@@ -501,7 +485,7 @@ def test_transfers_between_two_sites_share_one_link_per_direction() -> None:
 
 
 def test_planned_ratios_split_a_shared_site_link_between_its_transfers() -> None:
-    dag = _chain_dag(4, output_bytes=4_000_000)  # 1M fp32 elements per transfer
+    dag = _chain([0] * 4, [0] * 4, output_bytes=4_000_000)  # 1M fp32 elements per transfer
     bw = np.full((4, 4), 1e7)
     cost = CostConfig(n_micro_batches=8, compression=CompressionPolicy(kind="planned", max_ratio=1000.0))
     stages = [Stage(p, (p,)) for p in range(4)]

@@ -136,8 +136,8 @@ class Topology:
         speed = np.array([by_id[i].train_flops for i in ids])
         memory = np.array([float(by_id[i].memory_bytes) for i in ids])
         codec = np.array([[by_id[i].topk_codec_s.get(t, 0.0) for t in CODEC_TERMS] for i in ids])
-        labels = [by_id[i].site or f"peer:{i}" for i in ids]  # no declared site: its own
-        site = np.array([labels.index(label) for label in labels])
+        first: dict[str, int] = {}  # a site's number: its first peer's; no declared site: its own
+        site = np.array([first.setdefault(by_id[i].site or f"peer:{i}", k) for k, i in enumerate(ids)])
         topo = cls(ids, speed, memory, bw, lat, measured, codec, site)
         topo.validate()
         return topo

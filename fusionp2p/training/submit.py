@@ -124,7 +124,7 @@ async def submit_job(
     else:
         peers = await wait_for_peers(directory, job.min_peers, job.wait_peers_s)
     lease = await find_coordinator(directory, timeout=max(job.wait_peers_s, 1.0))
-    me = await asyncio.to_thread(self_record, transport.peer_id, "cpu", site)
+    me = await asyncio.to_thread(self_record, transport.peer_id, site=site)
     candidates = [p for p in peers if p.peer_id != transport.peer_id and p.peer_id not in exclude]
     links = await probe_from(transport, candidates[:MAX_PROBED_PEERS])
     run_id = run_id or new_run_id(job.name)
