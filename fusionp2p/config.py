@@ -162,7 +162,7 @@ class ProbeConfig:
     min_bytes: int = 256 << 10  # smallest payload (keeps the estimate above noise)
     max_bytes: int = 16 << 20  # largest payload a probe sends or a peer accepts
     target_seconds: float = 0.4  # later probes size their payload to take about this long
-    ewma_alpha: float = 0.5  # weight of a new measurement in the smoothed estimate
+    window: int = 4  # a link's estimate: best bandwidth and RTT of its last this many probes
     fresh_seconds: float = 60.0  # a link measured more recently than this is "fresh"
     busy_slowdown: float = 4.0  # a peer busy training probes this many times less often
 
@@ -174,7 +174,7 @@ class ProbeConfig:
             fresh_seconds=self.fresh_seconds,
             busy_slowdown=self.busy_slowdown,
         )
-        for name in ("fanout", "ping_count", "initial_bytes", "min_bytes", "max_bytes"):
+        for name in ("fanout", "ping_count", "initial_bytes", "min_bytes", "max_bytes", "window"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"ProbeConfig.{name} must be an integer >= 1, got {value!r}")
@@ -183,8 +183,6 @@ class ProbeConfig:
                 "ProbeConfig needs min_bytes <= initial_bytes <= max_bytes, got "
                 f"{self.min_bytes} / {self.initial_bytes} / {self.max_bytes}"
             )
-        if not 0 < self.ewma_alpha <= 1:
-            raise ConfigError(f"ProbeConfig.ewma_alpha must be in (0, 1], got {self.ewma_alpha!r}")
         if self.busy_slowdown < 1:
             raise ConfigError(f"ProbeConfig.busy_slowdown must be >= 1, got {self.busy_slowdown}")
 

@@ -23,7 +23,7 @@ def test_defaults_are_valid() -> None:
         (lambda: PeerConfig(site="x" * 65), "site"),
         (lambda: ProbeConfig(fanout=0), "fanout"),
         (lambda: ProbeConfig(min_bytes=10, initial_bytes=5), "min_bytes"),
-        (lambda: ProbeConfig(ewma_alpha=1.5), "ewma_alpha"),
+        (lambda: ProbeConfig(window=0), "window"),
         (lambda: Timeouts(probe=0), "probe"),
     ],
 )

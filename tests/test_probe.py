@@ -65,22 +65,24 @@ def _sample(bw: float, rtt: float = 0.01) -> LinkSample:
     return LinkSample(bandwidth_bytes_per_s=bw, rtt_s=rtt, nbytes=1, seconds=1.0)
 
 
-def test_estimator_smooths_and_sizes_probes() -> None:
+def test_estimator_keeps_the_best_of_its_last_samples_and_sizes_probes() -> None:
     config = ProbeConfig(
-        ewma_alpha=0.5, target_seconds=0.5, min_bytes=1000, initial_bytes=2000, max_bytes=10_000_000
+        window=2, target_seconds=0.5, min_bytes=1000, initial_bytes=2000, max_bytes=10_000_000
     )
     est = LinkEstimator("QmA", config)
     assert est.next_probe_bytes("QmB") == 2000
     first = est.update("QmB", _sample(100e6, 0.02), now=10.0)
     assert (first.bandwidth_bytes_per_s, first.rtt_s, first.samples) == (100e6, 0.02, 1)
-    second = est.update("QmB", _sample(50e6, 0.04), now=20.0)
-    assert second.bandwidth_bytes_per_s == pytest.approx(75e6)
-    assert second.rtt_s == pytest.approx(0.03)
-    assert second.samples == 2 and second.measured_at == 20.0
-    assert est.next_probe_bytes("QmB") == 10_000_000  # 75 MB/s * 0.5 s, capped
+    congested = est.update("QmB", _sample(5e6, 0.2), now=20.0)  # shared with a transfer
+    assert (congested.bandwidth_bytes_per_s, congested.rtt_s) == (100e6, 0.02)
+    assert congested.samples == 2 and congested.measured_at == 20.0
+    assert est.next_probe_bytes("QmB") == 10_000_000  # 100 MB/s * 0.5 s, capped
+    slower = est.update("QmB", _sample(8e6, 0.05), now=30.0)  # the fast sample left the window
+    assert (slower.bandwidth_bytes_per_s, slower.rtt_s) == (8e6, 0.05)
+    assert est.next_probe_bytes("QmB") == 4_000_000
     est.update("QmC", _sample(1000.0), now=20.0)
     assert est.next_probe_bytes("QmC") == 1000  # floored
-    assert [r.dst for r in est.records(now=25.0, max_age=10.0)] == ["QmB", "QmC"]
+    assert [r.dst for r in est.records(now=35.0, max_age=20.0)] == ["QmB", "QmC"]
     assert est.records(now=100.0, max_age=10.0) == []
     est.forget(["QmB"])
     assert est.known_peers() == {"QmC"}

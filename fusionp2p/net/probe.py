@@ -6,8 +6,10 @@ Protocol ``fusionp2p.probe.v1`` on one stream, prober -> server:
     DATA ... END    -> ACK(u64 bytes)  a bounded payload; goodput = bytes / (elapsed - RTT)
 
 The server refuses frames over ``max_bytes`` in total or of an unexpected kind with a
-protocol error. ``LinkEstimator`` smooths samples (EWMA), sizes the next probe of each
-link to take about ``target_seconds``, and picks the bounded sample of peers to probe next.
+protocol error. ``LinkEstimator`` estimates each link from its last ``window`` samples (the
+highest bandwidth and the lowest RTT among them, as BBR does: a probe can only under-measure
+a link, when it shares it with training traffic or other probes), sizes the next probe of
+each link to take about ``target_seconds``, and picks the bounded sample of peers to probe next.
 
 What a peer measures stays bounded at any swarm size: at most ``MAX_LINKS_PER_PEER`` links,
 the ``NEAR_LINKS`` fastest (its own cluster, densely) and the most recently measured of
@@ -25,6 +27,7 @@ import random
 import statistics
 import struct
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -142,14 +145,22 @@ def hints_from(links: Iterable[LinkRecord]) -> list[str]:
 
 @dataclass
 class _LinkState:
-    bandwidth_bytes_per_s: float
-    rtt_s: float
+    recent: deque[LinkSample]  # the last ``window`` samples
     measured_at: float
     samples: int
 
+    @property
+    def bandwidth_bytes_per_s(self) -> float:
+        return max(s.bandwidth_bytes_per_s for s in self.recent)
+
+    @property
+    def rtt_s(self) -> float:
+        return min(s.rtt_s for s in self.recent)
+
 
 class LinkEstimator:
-    """Smoothed link estimates of one measuring peer, and the choice of what to probe next."""
+    """Link estimates of one measuring peer (best of its last ``window`` samples per link),
+    and the choice of what to probe next."""
 
     def __init__(self, src: str, config: ProbeConfig, *, rng: random.Random | None = None) -> None:
         self.src = src
@@ -158,19 +169,14 @@ class LinkEstimator:
         self._rng = rng or random.Random()
 
     def update(self, dst: str, sample: LinkSample, now: float) -> LinkRecord:
-        """Folds a sample into the EWMA for ``dst``; returns the record to publish."""
-        alpha = self.config.ewma_alpha
+        """Adds a sample to the window of ``dst``; returns the record to publish."""
         state = self._links.get(dst)
         if state is None:
-            state = _LinkState(sample.bandwidth_bytes_per_s, sample.rtt_s, now, 1)
-        else:
-            state = _LinkState(
-                (1 - alpha) * state.bandwidth_bytes_per_s + alpha * sample.bandwidth_bytes_per_s,
-                (1 - alpha) * state.rtt_s + alpha * sample.rtt_s,
-                now,
-                state.samples + 1,
-            )
-        self._links[dst] = state
+            state = _LinkState(deque(maxlen=self.config.window), now, 0)
+            self._links[dst] = state
+        state.recent.append(sample)
+        state.measured_at = now
+        state.samples += 1
         self._bound()
         return self._record(dst, state)
 
