@@ -2,8 +2,9 @@
 
 - ``errors.py``: the FusionP2PError tree.
 - ``config.py``: PeerConfig, ProbeConfig, Timeouts, ExecLimits, OptimizerConfig.
-- ``records.py``: versioned wire records: PeerRecord, LinkRecord, PlanStageRecord,
-  TopKHeader for the DHT and the wire; OpData and ExecControl for the exec protocol.
+- ``records/``: versioned wire records: PeerRecord, LinkRecord, PlanStageRecord and the
+  rest of the DHT's (``swarm.py``); TopKHeader, OpData and ExecControl for the exec protocol
+  (``tensors.py``); their shared msgpack form (``wire.py``).
 - ``net/``: identity, DHT directory and validators, frame streams, transports, probes.
 - ``runtime/``: device profiling; executors (remote autodiff), the exec protocol and who
   may use it, stage memory needs, the data owner's pipeline driver.
@@ -12,10 +13,11 @@
 - ``planning/``: cost model, estimators, clustering, OP-Fence, baselines, exact solver, Plan.
 - ``compression/``: Top-K selection, wire format, error feedback (CUDA kernels in ``kernels/``).
 - ``peer.py``: the long-running Peer.
-- ``swarm.py``: the public Swarm facade and its training Pipeline.
+- ``swarm.py``: the public Swarm facade; ``pipeline.py``: its training Pipeline.
 - ``launch.py``: LocalSwarm, several peer processes on this machine.
 - ``viz.py``: a picture of a plan on the clustered bandwidth graph.
-- ``cli.py``: ``fusionp2p peer | status | plan | local``.
+- ``cli.py``: ``fusionp2p peer | status | plan | local | train`` (``cli_swarm.py``,
+  ``cli_jobs.py``).
 """
 
 __version__ = "0.1.0"
