@@ -22,7 +22,7 @@ demo: $(STAMP)
 demo-digits: $(STAMP)
 	$(VENV)/bin/python demos/digits_cnn.py
 
-bench-wan: $(STAMP)  # root: builds an emulated WAN of network namespaces (~40 + ~25 min here)
+bench-wan: $(STAMP)  # root: builds an emulated WAN of network namespaces (~50 + ~25 min here)
 	$(VENV)/bin/python -m benchmarks.wan
 	$(VENV)/bin/python -m benchmarks.wan --model resnet18
 
