@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -71,10 +72,13 @@ def _env(cache: Path) -> dict[str, str]:
     return {**os.environ, **ENV, "FUSIONP2P_CACHE": str(cache), "PYTHONPATH": path}
 
 
-def profile_speeds(topo: TestbedTopology, env: dict[str, str]) -> dict[float, EmulatedDevice]:
-    """Measures this machine once per emulated speed (one thread), into the peers' cache:
-    the fp32 matmul and the transformer-block training speed (``TRAIN_FLOPS``), and the
-    Top-K coding times."""
+def profile_speeds(
+    topo: TestbedTopology, env: dict[str, str], launcher: Sequence[str] = ()
+) -> dict[float, EmulatedDevice]:
+    """Measures this machine once per emulated speed (one thread), into the cache named by
+    ``env`` (the peers' before they start): the fp32 matmul and the transformer-block
+    training speed (``TRAIN_FLOPS``), and the Top-K coding times. ``launcher`` prefixes the
+    command (a host's namespace)."""
     speeds = sorted({1.0, *(c.slowdown for c in topo.clusters)})
     code = (
         "import json, sys\n"
@@ -83,7 +87,11 @@ def profile_speeds(topo: TestbedTopology, env: dict[str, str]) -> dict[float, Em
         "print(json.dumps({s: [p.flops, p.topk_codec_s] for s, p in ps.items()}))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, *map(str, speeds)], env=env, capture_output=True, text=True, check=True
+        [*launcher, sys.executable, "-c", code, *map(str, speeds)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return {
         float(k): EmulatedDevice({n: flops[n] for n in ("float32", TRAIN_FLOPS)}, codec)
@@ -346,6 +354,17 @@ def run_matrix(
             doc = wait_for_links(owner, initial, cluster_of, env, timeout=240)
             result["links_measured_s"] = round(time.monotonic() - began, 1)
             result["probes"] = probe_summary(doc, cluster_of, topo)
+            # the same profile again, now that the peers, their DHTs and p2pds share the cores
+            # (a separate cache: the peers published the quiet one)
+            own_cache = {**env, "FUSIONP2P_CACHE": str(work / "cache-in-situ")}
+            in_situ = profile_speeds(topo, own_cache, owner.wrap([]))
+            result["devices_in_situ_gflops"] = {
+                str(s): d.flops[TRAIN_FLOPS] / 1e9 for s, d in in_situ.items()
+            }
+            logger.info(
+                "emulated devices inside the idle swarm (training GFLOP/s): %s",
+                {s: round(g, 1) for s, g in result["devices_in_situ_gflops"].items()},
+            )
             for planner, policy in cells:
                 logger.info("cell %s/%s ...", planner, policy)
                 rows.append(

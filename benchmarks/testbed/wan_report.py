@@ -124,7 +124,14 @@ def _markdown(result: dict[str, Any], dry_run: bool) -> str:
             else "fp32 matmul GFLOP/s"
         )
         + "): "
-        + ", ".join(f"{s}x: {g:.1f}" for s, g in result["devices_gflops"].items()),
+        + ", ".join(f"{s}x: {g:.1f}" for s, g in result["devices_gflops"].items())
+        + (
+            "; measured again inside the idle swarm (its peers, DHTs and p2pds sharing the cores): "
+            + ", ".join(f"{s}x: {g:.1f}" for s, g in result["devices_in_situ_gflops"].items())
+            if result.get("devices_in_situ_gflops")
+            else ""
+        )
+        + ".",
         "",
     ]
     if result.get("tcp_check"):
