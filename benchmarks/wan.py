@@ -99,6 +99,11 @@ def profile_speeds(
     }
 
 
+def train_gflops(devices: dict[float, EmulatedDevice]) -> dict[str, float]:
+    """Per emulated speed: its training GFLOP/s (``TRAIN_FLOPS``), keyed as in the JSON."""
+    return {str(s): d.flops[TRAIN_FLOPS] / 1e9 for s, d in devices.items()}
+
+
 def check_wan(testbed: Testbed) -> list[dict[str, Any]]:
     """One TCP flow per WAN direction, first host to first host: shaped vs measured."""
     rows = []
@@ -303,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         result: dict[str, Any] = {
             "topology": asdict(topo),
             "job": asdict(job),
-            "devices_gflops": {str(s): d.flops[TRAIN_FLOPS] / 1e9 for s, d in devices.items()},
+            "devices_gflops": train_gflops(devices),
             "devices_matmul_gflops": {str(s): d.flops["float32"] / 1e9 for s, d in devices.items()},
             "devices_topk_codec_s": {str(s): d.topk_codec_s for s, d in devices.items()},
             "nominal": dry,
@@ -358,9 +363,7 @@ def run_matrix(
             # (a separate cache: the peers published the quiet one)
             own_cache = {**env, "FUSIONP2P_CACHE": str(work / "cache-in-situ")}
             in_situ = profile_speeds(topo, own_cache, owner.wrap([]))
-            result["devices_in_situ_gflops"] = {
-                str(s): d.flops[TRAIN_FLOPS] / 1e9 for s, d in in_situ.items()
-            }
+            result["devices_in_situ_gflops"] = train_gflops(in_situ)
             logger.info(
                 "emulated devices inside the idle swarm (training GFLOP/s): %s",
                 {s: round(g, 1) for s, g in result["devices_in_situ_gflops"].items()},

@@ -11,7 +11,7 @@ import torch
 
 from fusionp2p.errors import DeadlineError
 from fusionp2p.opdag.split import Partition
-from fusionp2p.planning import CompressionPolicy, CostConfig, Plan, Topology, estimate_segments
+from fusionp2p.planning import NO_COMPRESSION, CostConfig, Plan, Topology, estimate_segments
 from fusionp2p.planning.estimate import Estimate
 from fusionp2p.records import PeerRecord
 from fusionp2p.runtime.driver import PipelineDriver
@@ -19,10 +19,9 @@ from fusionp2p.runtime.driver import PipelineDriver
 if TYPE_CHECKING:
     from fusionp2p.swarm import Swarm
 
-__all__ = ["NO_COMPRESSION", "Pipeline"]
+__all__ = ["Pipeline"]
 
 T = TypeVar("T")
-NO_COMPRESSION = CompressionPolicy(kind="none")
 
 
 async def _within(coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:

@@ -38,8 +38,8 @@ from fusionp2p.net.transport import P2PTransport
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.opdag.trace import trace_spec
-from fusionp2p.pipeline import NO_COMPRESSION, Pipeline
-from fusionp2p.planning import CompressionPolicy, CostConfig, Plan, Topology
+from fusionp2p.pipeline import Pipeline
+from fusionp2p.planning import NO_COMPRESSION, CompressionPolicy, CostConfig, Plan, Topology
 from fusionp2p.records import LeaseRecord, LinkRecord, PeerRecord, PlanStageRecord, RunStatusRecord
 from fusionp2p.runtime.driver import PipelineDriver
 from fusionp2p.training.job_spec import JobSpec

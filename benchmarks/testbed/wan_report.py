@@ -103,6 +103,10 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _speeds(gflops: dict[str, float]) -> str:
+    return ", ".join(f"{s}x: {g:.1f}" for s, g in gflops.items())
+
+
 def _markdown(result: dict[str, Any], dry_run: bool) -> str:
     topo, job = result["topology"], result["job"]
     lines = [f"# WAN benchmark: {topo['name']}", ""]
@@ -124,10 +128,10 @@ def _markdown(result: dict[str, Any], dry_run: bool) -> str:
             else "fp32 matmul GFLOP/s"
         )
         + "): "
-        + ", ".join(f"{s}x: {g:.1f}" for s, g in result["devices_gflops"].items())
+        + _speeds(result["devices_gflops"])
         + (
             "; measured again inside the idle swarm (its peers, DHTs and p2pds sharing the cores): "
-            + ", ".join(f"{s}x: {g:.1f}" for s, g in result["devices_in_situ_gflops"].items())
+            + _speeds(result["devices_in_situ_gflops"])
             if result.get("devices_in_situ_gflops")
             else ""
         )

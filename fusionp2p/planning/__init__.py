@@ -17,6 +17,7 @@
 from fusionp2p.planning.baselines import BASELINES, baseline_plan
 from fusionp2p.planning.cluster import cluster_peers
 from fusionp2p.planning.cost import (
+    NO_COMPRESSION,
     PAPER_WIRE,
     PLANNED_MAX_RATIO,
     WIRE,
@@ -36,6 +37,7 @@ from fusionp2p.planning.topology import PlanningError, Topology
 
 __all__ = [
     "BASELINES",
+    "NO_COMPRESSION",
     "PAPER_WIRE",
     "PLANNED_MAX_RATIO",
     "WIRE",

@@ -23,6 +23,7 @@ from fusionp2p.errors import ConfigError
 
 __all__ = [
     "MAX_RATIO_LIMIT",
+    "NO_COMPRESSION",
     "PAPER_WIRE",
     "PLANNED_MAX_RATIO",
     "WIRE",
@@ -107,6 +108,9 @@ class CompressionPolicy:
             raise ConfigError(f"need 1 <= ratio <= max_ratio, got {self.ratio} / {self.max_ratio}")
         if not 0 <= self.slack < 1:
             raise ConfigError(f"CompressionPolicy.slack must be in [0, 1), got {self.slack}")
+
+
+NO_COMPRESSION = CompressionPolicy(kind="none")  # every link dense
 
 
 def adaptive_ratios(dense_times: np.ndarray, policy: CompressionPolicy) -> np.ndarray:

@@ -16,7 +16,7 @@ from typing import Any
 from fusionp2p.config import NAME_RE, OptimizerConfig
 from fusionp2p.errors import ConfigError
 from fusionp2p.opdag.spec import ModelSpec
-from fusionp2p.planning.cost import MAX_RATIO_LIMIT, PLANNED_MAX_RATIO, CompressionPolicy
+from fusionp2p.planning.cost import MAX_RATIO_LIMIT, NO_COMPRESSION, PLANNED_MAX_RATIO, CompressionPolicy
 from fusionp2p.training.data import DATA_KINDS
 
 __all__ = ["COMPRESSIONS", "EXAMPLE_CONFIG", "JobSpec", "compression_policy"]
@@ -126,7 +126,7 @@ def compression_policy(name: str, max_ratio: float = PLANNED_MAX_RATIO) -> Compr
         ConfigError: another name.
     """
     if name == "none":
-        return CompressionPolicy(kind="none")
+        return NO_COMPRESSION
     if name == "adaptive":
         return CompressionPolicy(kind="adaptive")
     if name == "uniform":
