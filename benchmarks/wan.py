@@ -99,6 +99,26 @@ def profile_speeds(
     }
 
 
+def device_now(owner: Host, env: dict[str, str], speed: float) -> float:
+    """Training GFLOP/s of the emulated device at ``speed``, measured now (uncached) in the
+    data owner's namespace: how far this shared machine has drifted from the profile the
+    peers published at start (a VM's speed moves by 1.5x within minutes here)."""
+    code = (
+        "import sys\n"
+        "from fusionp2p.runtime.device_profile import measure_training\n"
+        "print(measure_training('cpu', speed=float(sys.argv[1])))"
+    )
+    done = subprocess.run(
+        owner.wrap([sys.executable, "-c", code, str(speed)]),
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    return float(done.stdout.strip().splitlines()[-1]) / 1e9
+
+
 def train_gflops(devices: dict[float, EmulatedDevice]) -> dict[str, float]:
     """Per emulated speed: its training GFLOP/s (``TRAIN_FLOPS``), keyed as in the JSON."""
     return {str(s): d.flops[TRAIN_FLOPS] / 1e9 for s, d in devices.items()}
@@ -368,13 +388,19 @@ def run_matrix(
                 "emulated devices inside the idle swarm (training GFLOP/s): %s",
                 {s: round(g, 1) for s, g in result["devices_in_situ_gflops"].items()},
             )
+            probe_speed = max(c.slowdown for c in topo.clusters)
+            result["drift_probe_speed"] = str(probe_speed)
             for planner, policy in cells:
                 logger.info("cell %s/%s ...", planner, policy)
-                rows.append(
-                    run_cell(
-                        planner, policy, job, owner, initial, len(hosts), work, env, cluster_of, cell_timeout
-                    )
+                before = device_now(owner, env, probe_speed)
+                row = run_cell(
+                    planner, policy, job, owner, initial, len(hosts), work, env, cluster_of, cell_timeout
                 )
+                row["device_gflops"] = [round(before, 2), round(device_now(owner, env, probe_speed), 2)]
+                logger.info(
+                    "the %gx device measured %s GFLOP/s before and after", probe_speed, row["device_gflops"]
+                )
+                rows.append(row)
                 (work / "partial.json").write_text(json.dumps(rows))
     return rows
 

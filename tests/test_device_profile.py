@@ -71,3 +71,22 @@ def test_an_emulated_slower_device_takes_longer_and_measures_slower(tmp_path, mo
     monkeypatch.setenv("FUSIONP2P_CACHE", str(tmp_path))
     profile_device("cpu", speed=0.2)
     assert [p.name for p in tmp_path.glob("profile-*speed0.2.json")]  # cached apart from full speed
+
+
+def test_a_rate_is_the_median_run_so_one_outlier_does_not_become_the_published_speed() -> None:
+    from fusionp2p.runtime.device_profile import median_rate
+
+    durations = iter([0.0, 0.01, 0.2, 0.01, 0.01, 0.01])  # warm-up, then one run 20x slow
+    calls = []
+
+    def run() -> None:
+        calls.append(1)
+        time.sleep(next(durations))
+
+    rate = median_rate(run, 1e9, budget_s=0.0, max_runs=100, min_runs=5)
+    assert len(calls) == 6  # the untimed warm-up and min_runs timed runs, though the budget is 0
+    assert 0.6e11 < rate <= 1e11  # ~1e9 / 10 ms; the mean of the runs would read 2.2e10
+    calls.clear()
+    durations = iter([0.0] * 10)
+    median_rate(run, 1.0, budget_s=10.0, max_runs=3, min_runs=1)
+    assert len(calls) == 4  # max_runs bounds it however much budget is left

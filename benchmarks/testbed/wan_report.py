@@ -9,7 +9,7 @@ from typing import Any
 
 from benchmarks.testbed.wan_job import PLANNERS, POLICIES, WanJob
 
-__all__ = ["targets", "write_report"]
+__all__ = ["compute_ratio", "drift", "final_loss", "targets", "write_report"]
 
 SPEEDUP_VS_NAIVE = 10.0  # OP-Fence + planned vs equal-number without compression
 SPEEDUP_VS_BASELINE = 1.5  # ... vs the best baseline cell
@@ -39,6 +39,32 @@ def compute_ratio(row: dict[str, Any]) -> float | None:
         return None  # a peer ran two plan stages as one runtime stage
     ratios = sorted(m / e for m, e in zip(measured[1:], planned, strict=True) if e > 0)
     return ratios[len(ratios) // 2] if ratios else None
+
+
+def drift(row: dict[str, Any], result: dict[str, Any]) -> float | None:
+    """The emulated device's training speed measured around the cell (the mean of before
+    and after) over the profile the peers published: 1 where the machine ran as profiled."""
+    speed, now = result.get("drift_probe_speed"), row.get("device_gflops")
+    if not speed or not now:
+        return None
+    return sum(now) / len(now) / result["devices_gflops"][speed]
+
+
+STEADY = 0.10  # a cell's machine "ran as profiled" within this drift
+
+
+def _steady_cells(result: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """How the plan's estimate fares where the machine ran as it was profiled."""
+    steady = [r for r in rows if (d := drift(r, result)) is not None and abs(d - 1) <= STEADY]
+    if not any(drift(r, result) is not None for r in rows):
+        return ""
+    inside = sum(abs(r["step_s"] / r["estimate_s"] - 1) <= ESTIMATE_TOLERANCE for r in steady)
+    return (
+        f"The {result['drift_probe_speed']}x device, measured again just before and after each cell "
+        f"(column device now/profile), ran within {STEADY:.0%} of its published profile in "
+        f"{len(steady)}/{len(rows)} cells; {inside} of those came within {ESTIMATE_TOLERANCE:.0%} of "
+        "the plan's estimate."
+    )
 
 
 def _name(row: dict[str, Any]) -> str:
@@ -163,15 +189,15 @@ def _markdown(result: dict[str, Any], dry_run: bool) -> str:
         naive = _cell(rows, "equal-number", "none")
         lines += [
             "| planner | compression | stages (clusters) | Top-K ratios | measured s/step | estimate s "
-            "| meas/est | compute meas/est | after warm-up s | meas/after "
+            "| meas/est | compute meas/est | device now/profile | after warm-up s | meas/after "
             f"| loss, steps {job['steps'] - LOSS_STEPS + 1}-{job['steps']} | vs equal-number/none |",
-            "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in rows:
             if "step_s" not in r:
                 lines.append(
                     f"| {r['planner']} | {r['compression']} | failed: {r.get('error', '?')[:120]} "
-                    "| | | | | | | | | |"
+                    "| | | | | | | | | | |"
                 )
                 continue
             ratios = r["ratios"] or [1.0]
@@ -182,9 +208,12 @@ def _markdown(result: dict[str, Any], dry_run: bool) -> str:
                 f"| {r['planner']} | {r['compression']} | {r['stages']} ({''.join(r['clusters'])}) | {span} "
                 f"| {r['step_s']:.2f} ± {r['step_sd']:.2f} | {r['estimate_s']:.2f} "
                 f"| {r['step_s'] / r['estimate_s']:.2f} | {_fmt(compute_ratio(r))} "
-                f"| {_fmt(after)} | {_fmt(r['step_s'] / after if after else None)} "
+                f"| {_fmt(drift(r, result))} | {_fmt(after)} "
+                f"| {_fmt(r['step_s'] / after if after else None)} "
                 f"| {final_loss(r):.3f} | {speedup} |"
             )
+        steady = _steady_cells(result, [r for r in rows if "step_s" in r])
+        lines += ["", steady] if steady else []
         lines += ["", "| target | measured | met |", "|---|---|---|"]
         lines += [
             f"| {t['target']} | {t['value']} | {'yes' if t['met'] else 'NO'} |" for t in result["targets"]

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -28,13 +29,16 @@ __all__ = [
     "DeviceProfile",
     "free_memory",
     "measure_device",
+    "measure_training",
+    "median_rate",
     "profile_device",
     "resolve_device",
 ]
 
 logger = logging.getLogger(__name__)
 
-_CACHE_VERSION = 3  # 2: TRAIN_FLOPS; 3: topk_codec_s
+_CACHE_VERSION = 4  # 2: TRAIN_FLOPS; 3: topk_codec_s; 4: median of >= MIN_RUNS runs
+MIN_RUNS = 3
 
 
 @dataclass(frozen=True)
@@ -83,29 +87,38 @@ def free_memory(device: str) -> tuple[int, int]:
     return int(memory.available), int(memory.total)
 
 
-def _rate(
-    device: torch.device,
+def median_rate(
     run: Callable[[], object],
     flops: float,
+    *,
     budget_s: float,
     max_runs: int,
-    throttle: Throttle,
+    throttle: Throttle | None = None,
+    min_runs: int = MIN_RUNS,
+    sync: Callable[[], object] = lambda: None,
 ) -> float:
-    """FLOP/s of ``run`` (``flops`` each), after one warm-up, for ``budget_s`` or ``max_runs``."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    """FLOP/s of ``run`` (``flops`` each, then ``sync``): one untimed warm-up, then timed
+    runs for ``budget_s`` (at least ``min_runs``, at most ``max_runs``), and the rate of the
+    median run, so that one run caught by a page fault or a neighbour's burst does not
+    become the speed a peer publishes for hours."""
+    throttle = throttle or Throttle()
 
     def step() -> None:
         run()
         sync()
 
-    step()  # warm-up
-    runs, start = 0, time.perf_counter()
-    while True:
+    step()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_runs and (len(times) < min_runs or time.perf_counter() - start < budget_s):
+        began = time.perf_counter()
         throttle.run(step)
-        runs += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= budget_s or runs >= max_runs:
-            return flops * runs / elapsed
+        times.append(time.perf_counter() - began)
+    return flops / statistics.median(times)
+
+
+def _sync(device: torch.device) -> Callable[[], object]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
 def _time_matmul(
@@ -113,7 +126,14 @@ def _time_matmul(
 ) -> float:
     a = torch.randn(n, n, device=device, dtype=torch.float32).to(dtype)
     b = torch.randn(n, n, device=device, dtype=torch.float32).to(dtype)
-    return _rate(device, lambda: torch.matmul(a, b), 2.0 * n**3, budget_s, 1000, throttle)
+    return median_rate(
+        lambda: torch.matmul(a, b),
+        2.0 * n**3,
+        budget_s=budget_s,
+        max_runs=1000,
+        throttle=throttle,
+        sync=_sync(device),
+    )
 
 
 class _ReferenceBlock(torch.nn.Module):
@@ -142,7 +162,19 @@ def _time_training(device: torch.device, budget_s: float, throttle: Throttle) ->
     block = _ReferenceBlock(d, heads).to(device)
     x = torch.randn(b, s, d, device=device, requires_grad=True)
     flops = 3 * (24 * b * s * d * d + 4 * b * s * s * d)
-    return _rate(device, lambda: block(x).pow(2).mean().backward(), flops, budget_s, 200, throttle)
+
+    def train_step() -> None:
+        block(x).pow(2).mean().backward()
+
+    return median_rate(
+        train_step, flops, budget_s=budget_s, max_runs=200, throttle=throttle, sync=_sync(device)
+    )
+
+
+def measure_training(device: str, *, budget_s: float = 0.5, speed: float = 1.0) -> float:
+    """Training FLOP/s of ``device`` (emulated at ``speed``) alone, uncached: the figure
+    a plan divides a stage's FLOPs by (``TRAIN_FLOPS``), measured again now."""
+    return _time_training(torch.device(device), budget_s, Throttle(speed))
 
 
 def measure_device(device: str, *, budget_s: float = 0.5, speed: float = 1.0) -> DeviceProfile:
