@@ -28,9 +28,9 @@ from fusionp2p.opdag.split import Partition, Segment
 from fusionp2p.records import OpData
 from fusionp2p.runtime.executor import Body, Executor, Message
 from fusionp2p.runtime.losses import LossFn
+from fusionp2p.runtime.opdata_check import check_opdata, reader_segment
 from fusionp2p.runtime.stage_state import StageState
 from fusionp2p.runtime.tensor_wire import (
-    body_bytes,
     decode_body,
     dtype_name,
     encode_body,
@@ -123,67 +123,12 @@ class TorchExecutor(Executor):
 
     # ----------------------------------------------------------------- validation
     def check(self, header: OpData) -> None:
-        p = self.partition
-        if header.job != self.job:
-            raise ProtocolError(f"OpData for job {header.job!r}, this executor runs {self.job!r}")
-        if not 0 <= header.micro_batch < self.n_micro_batches:
-            raise ProtocolError(f"micro-batch {header.micro_batch} not in [0, {self.n_micro_batches})")
-        if (
-            header.dst_stage != self.stage
-            or not 0 <= header.src_stage < p.n_stages
-            or header.src_stage == self.stage
-        ):
-            raise ProtocolError(
-                f"OpData from stage {header.src_stage} to {header.dst_stage} reached stage {self.stage}"
-            )
-        info = p.values.get(header.producer)
-        if info is None:
-            raise ProtocolError(f"unknown producer {header.producer!r}")
-        if header.direction == "forward":
-            if p.stage_of[header.producer] != header.src_stage:
-                raise ProtocolError(f"{header.producer!r} is not produced on stage {header.src_stage}")
-            readers = set(p.reader_nodes(header.producer, self.stage))
-            if not readers or not set(header.consumers) <= readers:
-                raise ProtocolError(
-                    f"consumers {list(header.consumers)[:4]} of {header.producer!r} "
-                    f"are not on stage {self.stage}"
-                )
-            if header.requires_grad and not info.is_float:
-                raise ProtocolError(f"{header.producer!r} is {info.dtype} and cannot require grad")
-        else:
-            if p.stage_of[header.producer] != self.stage:
-                raise ProtocolError(
-                    f"gradient of {header.producer!r}, which stage {self.stage} does not produce"
-                )
-            if self._reader_segment(header.producer, header.src_stage, header.consumers) is None:
-                raise ProtocolError(
-                    f"no segment of stage {header.src_stage} reads {header.producer!r} "
-                    f"by {list(header.consumers)[:4]}"
-                )
-            if not info.is_float:
-                raise ProtocolError(f"gradient of {header.producer!r}, which is {info.dtype}")
-        if header.shape != info.shape or header.dtype != info.dtype:
-            raise ProtocolError(
-                f"{header.producer!r} is {info.shape}/{info.dtype}, OpData says {header.shape}/{header.dtype}"
-            )
-        expected = body_bytes(header)
-        if expected is not None and expected != header.body_bytes:
-            raise ProtocolError(
-                f"header declares {header.body_bytes} body bytes, {header.shape} needs {expected}"
-            )
-        limit = max_body_bytes(info.shape, info.dtype)
-        if header.body_bytes > limit:
-            raise ProtocolError(f"body of {header.body_bytes} bytes > limit {limit} for {header.producer!r}")
+        check_opdata(
+            header, self.partition, stage=self.stage, job=self.job, n_micro_batches=self.n_micro_batches
+        )
 
     def max_message_bytes(self) -> int:
         return max((max_body_bytes(v.shape, v.dtype) for v in self.partition.values.values()), default=0)
-
-    def _reader_segment(self, value: str, stage: int, consumers: Sequence[str]) -> Segment | None:
-        for seg_id in self.partition.readers.get(value, ()):
-            seg = self.partition.segments[seg_id]
-            if seg.stage == stage and self.partition.reader_names[value, seg_id] == tuple(consumers):
-                return seg
-        return None
 
     # ----------------------------------------------------------------- data flow
     def accept(self, header: OpData, body: Body) -> list[Message]:
@@ -204,7 +149,7 @@ class TorchExecutor(Executor):
                 mb.received_kept[header.producer] = kept
             mb.requires_grad[header.producer] = header.requires_grad
         else:
-            reader = self._reader_segment(header.producer, header.src_stage, header.consumers)
+            reader = reader_segment(self.partition, header.producer, header.src_stage, header.consumers)
             assert reader is not None  # check() found it
             if not mb.requires_grad.get(header.producer, False):
                 raise ProtocolError(
