@@ -1,10 +1,7 @@
 """Serves stages of jobs on the exec protocol: who may ask what, how much, and the compute queue.
 
-Authorization comes from the stream's authenticated remote PeerID, never from a field a
-message claims: a job belongs to the peer that set it up (which must be its data owner),
-and only that owner may send its weights, step it, fetch from it or tear it down; OpData
-is taken only from the peers its setup names for the neighbouring stages. A peer runs
-at most ``max_jobs`` jobs and never replaces one; ``accept_jobs_from`` makes it private.
+Who may send what is decided by ``runtime.admission`` from the stream's authenticated
+PeerID, before a body is read.
 
 Every message is read in three steps, so nothing is buffered before it is allowed: the
 frame header (length against the largest message this peer could accept now), the
@@ -25,16 +22,23 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
 from typing import TypeVar
 
-from fusionp2p.config import ExecLimits, format_bytes
+from fusionp2p.config import format_bytes
 from fusionp2p.errors import FusionP2PError, LimitError, PeerUnreachableError, ProtocolError
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.limits import InboundBudget, RejectionLog, Reservation, StreamGate
 from fusionp2p.net.transport import FrameStream, Transport
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.records import FETCHABLE, MAX_RECORD_BYTES, ExecControl, OpData
+from fusionp2p.runtime.admission import (
+    ServicePolicy,
+    admit_control,
+    admit_opdata,
+    admit_setup,
+    check_setup,
+    find_job,
+)
 from fusionp2p.runtime.codec import (
     CREDIT,
     EXEC_PROTOCOL,
@@ -58,20 +62,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 PlanCheck = Callable[[JobSetup, str], Awaitable[None]]  # (setup, sender) -> None, or ProtocolError
 _REAP_PERIOD = 5.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class ServicePolicy:
-    """Who may use this process's exec protocol, and how much of it."""
-
-    accept_setups: bool = True  # False in a data owner's process: it runs only its own stage
-    max_jobs: int = 1  # jobs at once; a setup beyond this is refused, never replaces one
-    accept_jobs_from: frozenset[str] = frozenset()  # PeerIDs that may set jobs up; empty: anyone
-    max_memory_bytes: int | None = None  # what one stage may need; None: 80% of free memory
-    device: str = "cpu"  # where stages compute: "cpu" or "cuda:N"
-    emulated_speed: float = 1.0  # testbeds: compute as a device this much as fast (runtime.throttle)
-    limits: ExecLimits = field(default_factory=ExecLimits)
-    timeout: float = 60.0  # one remote request, or waiting for this stage to finish an iteration
 
 
 class ExecutorService:
@@ -225,10 +215,7 @@ class ExecutorService:
         return any(remote == peer for job in self.jobs.values() for peer, _ in job.setup.peers)
 
     def _job(self, name: str) -> Job:
-        job = self.jobs.get(name)
-        if job is None:
-            raise ProtocolError(f"job {name!r:.40} is not set up on this peer")
-        return job
+        return find_job(self.jobs, name)
 
     def _admit(self, remote: str, header: ExecHeader) -> int:
         """Whether ``remote`` may send this message, and the largest body it may carry.
@@ -237,51 +224,8 @@ class ExecutorService:
             ProtocolError / LimitError: it may not (the reason is sent back).
         """
         if isinstance(header, OpData):
-            job = self._job(header.job)
-            setup = job.setup
-            src = header.src_stage
-            if src >= setup.n_stages or src == setup.stage or setup.peer_of(src) != remote:
-                raise ProtocolError(f"{remote[:12]} runs no stage {src} of job {job.name} that sends here")
-            if header.dst_stage != setup.stage:
-                raise ProtocolError(
-                    f"OpData for stage {header.dst_stage}; this peer runs stage {setup.stage}"
-                )
-            if header.plan_version != setup.plan_version:
-                version = f"plan version {header.plan_version}; job {job.name} runs {setup.plan_version}"
-                raise ProtocolError(f"OpData of {version}")
-            if header.iteration != job.iteration:
-                raise ProtocolError(f"OpData for iteration {header.iteration}; the job is at {job.iteration}")
-            if job.state_missing:
-                raise ProtocolError(f"stage {setup.stage} still misses {job.state_missing} of its tensors")
-            job.executor.check(header)
-            if opdata_key(header) in job.seen:
-                what = f"{header.direction} OpData of {header.producer!r}, micro-batch {header.micro_batch}"
-                raise ProtocolError(f"duplicate {what}")
-            return header.body_bytes
-        command = header.command
-        if command == "ping":
-            return 0
-        if command == "setup":
-            self._admit_setup(remote, header.job)
-            return self.policy.limits.control_bytes
-        job = self._job(header.job)
-        if remote != job.owner:
-            raise ProtocolError(f"only the peer that set job {job.name} up may {command} it")
-        return job.weights_limit if command == "weights" else 0
-
-    def _admit_setup(self, remote: str, name: str) -> None:
-        policy = self.policy
-        if not policy.accept_setups:
-            raise ProtocolError("this process runs no stages for other peers")
-        if policy.accept_jobs_from and remote not in policy.accept_jobs_from:
-            raise ProtocolError("this peer takes jobs only from its operator's list (--accept-jobs-from)")
-        if name in self.jobs or name in self._setting_up:
-            raise ProtocolError(f"job {name!r:.40} is already set up here")
-        running = len(self.jobs) + len(self._setting_up)
-        if running >= policy.max_jobs:
-            raise LimitError(
-                f"this peer is busy: {running} job(s) running, its --max-jobs is {policy.max_jobs}"
-            )
+            return admit_opdata(self._job(header.job), remote, header)
+        return admit_control(self.policy, self.jobs, self._setting_up, remote, header)
 
     # ------------------------------------------------------------ OpData
     async def _take_opdata(
@@ -368,16 +312,9 @@ class ExecutorService:
         return FrameKind.ACK, STEP_REPLY.pack(*await self.step(job.name))
 
     async def _setup(self, remote: str, name: str, body: bytes | bytearray) -> None:
-        self._admit_setup(remote, name)
+        admit_setup(self.policy, self.jobs, self._setting_up, remote, name)
         setup = JobSetup.from_json(body, self.policy.limits)
-        if setup.job != name:
-            raise ProtocolError(f"setup body for job {setup.job!r} under header job {name!r:.40}")
-        if setup.peer_of(setup.stage) != self.transport.peer_id:
-            raise ProtocolError(
-                f"setup names {setup.peer_of(setup.stage)[:12]} for stage {setup.stage}, not this peer"
-            )
-        if setup.peer_of(setup.data_stage) != remote:
-            raise ProtocolError("a job is set up by its data owner: the sender must run the data stage")
+        check_setup(setup, name, me=self.transport.peer_id, sender=remote)
         if setup.epoch and self._plan_check is None:
             raise ProtocolError("this peer follows no coordinator: it cannot check a planned setup")
         build = self._engines.get(setup.engine)
