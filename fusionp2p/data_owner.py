@@ -113,6 +113,6 @@ def plan_job(dag: OpDag, topo: Topology, data_owner: str, *, method: str, cost: 
         len(peers),
         time.perf_counter() - start,
         len(plan.stages),
-        plan.iteration_s,
+        plan.expected_s,
     )
     return plan

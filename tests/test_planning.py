@@ -78,6 +78,10 @@ def test_estimate_matches_a_hand_computed_two_stage_case() -> None:
     assert est.bottleneck_s == pytest.approx(3.0)
     assert est.sequential_s == pytest.approx(4 * 6.52)
     assert est.pipelined_s == pytest.approx(6.52 + 3 * 3.0)
+    # the schedule played out by hand: stage 0 holds 2 micro-batches, so its third forward
+    # waits for the first backward (p0 [4.52, 6.52]) and runs before the second (queued since
+    # 6.02); p0 then idles until gradients return: the last backward runs [14.04, 16.04]
+    assert est.scheduled_s == pytest.approx(16.04) and est.expected_s == est.scheduled_s
     # 4x params (weights, grads, 2 Adam moments) + saved activations of 2 in-flight micro-batches
     assert est.memory_bytes == pytest.approx((4_000_000 + 2 * 500, 1 * 100))
     assert est.fits

@@ -213,7 +213,7 @@ def plan_cells(
                     "stages": len(plan.stages),
                     "peers": list(plan.peer_ids),
                     "ratios": sorted({round(r, 2) for r in plan.ratios.values()}),
-                    "estimate_s": plan.iteration_s,
+                    "estimate_s": plan.expected_s,
                 }
             )
     return rows
@@ -236,6 +236,6 @@ def order_spread(
                 n_micro_batches=job.n_micro_batches, compression=compression_policy(policy, job.max_ratio)
             )
             values.append(
-                plan_job(traced.dag, topology, peers[0].peer_id, method=planner, cost=cost).iteration_s
+                plan_job(traced.dag, topology, peers[0].peer_id, method=planner, cost=cost).expected_s
             )
     return {"orders": orders, **{cell: sorted(values) for cell, values in out.items()}}

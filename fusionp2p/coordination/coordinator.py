@@ -238,7 +238,7 @@ class Coordinator:
             epoch,
             len(records),
             len(idle),
-            plan.iteration_s,
+            plan.expected_s,
             f", without {len(unread.keys)} unreadable directory key(s)" if unread.keys else "",
         )
         logger.info(

@@ -35,6 +35,11 @@ class Calibration:
     def iteration_s(self) -> float:
         return self.estimate.iteration_s
 
+    @property
+    def expected_s(self) -> float:
+        """The re-estimated step time (``Estimate.expected_s``)."""
+        return self.estimate.expected_s
+
 
 def calibrate(
     dag: OpDag, topo: Topology, plan: Plan, cost: CostConfig, measured_s: Mapping[str, float]

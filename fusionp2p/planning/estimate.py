@@ -11,6 +11,13 @@ critical path and ``B`` the busiest resource:
 
     sequential (one micro-batch at a time):  n_b * L
     pipelined  (n_b micro-batches in flight): L + (n_b - 1) * B
+    scheduled  (what a step is expected to take): the runtime's 1F1B schedule played out
+               over these resources (``planning.schedule``)
+
+Plans are chosen by the pipelined form (``iteration_s``: the paper's, cheap and in closed
+form, which the exact solver vectorizes); a plan's reported estimate is the scheduled one
+(``expected_s``), which also sees a resource wait between two of its uses within a step
+or stay busy where the closed form counts the critical path on top of the busiest resource.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from fusionp2p.planning.cost import (
     planned_ratios,
     stage_in_flight,
 )
+from fusionp2p.planning.schedule import Hop, simulate
 from fusionp2p.planning.topology import PlanningError, Topology
 
 __all__ = ["Estimate", "LinkEstimate", "Stage", "estimate", "estimate_segments", "shared_bandwidth"]
@@ -60,7 +68,7 @@ class Estimate:
     """What a partition is expected to cost."""
 
     sequential_s: float
-    pipelined_s: float
+    pipelined_s: float  # critical path + (n_b - 1) x the busiest resource
     bottleneck_s: float
     critical_path_s: float
     compute_s: tuple[float, ...]  # per stage, forward + backward, per micro-batch
@@ -68,11 +76,19 @@ class Estimate:
     links: tuple[LinkEstimate, ...]
     memory_bytes: tuple[float, ...]  # per stage
     fits: bool  # every peer's stages fit its memory
+    scheduled_s: float = 0.0  # the runtime's 1F1B schedule played out (planning.schedule)
 
     @property
     def iteration_s(self) -> float:
-        """The pipelined iteration time, or inf when the partition does not fit in memory."""
+        """The pipelined iteration time, or inf when the partition does not fit in memory:
+        what planners rank partitions by."""
         return self.pipelined_s if self.fits else float("inf")
+
+    @property
+    def expected_s(self) -> float:
+        """The scheduled iteration time, or inf when the partition does not fit in memory:
+        what a step of this plan is expected to take."""
+        return self.scheduled_s if self.fits else float("inf")
 
 
 def _critical_path(fwd: np.ndarray, bwd: np.ndarray, hops: Sequence[tuple[int, int, float, float]]) -> float:
@@ -224,6 +240,24 @@ def estimate(
     for k, p in enumerate(peers):
         per_peer[p] = per_peer.get(p, 0.0) + memory[k]
     fits = all(used <= cost.memory_headroom * topo.memory[p] for p, used in per_peer.items())
+    hops = [
+        Hop(
+            lk.src,
+            lk.dst,
+            lk.fwd_s,
+            lk.bwd_s,
+            *(
+                (
+                    topo.link_resource(peers[lk.src], peers[lk.dst]),
+                    topo.link_resource(peers[lk.dst], peers[lk.src]),
+                )
+                if peers[lk.src] != peers[lk.dst]
+                else (None, None)
+            ),
+        )
+        for lk in links
+    ]
+    played = simulate((fwd + coding).tolist(), bwd.tolist(), peers, hops, n_b, stage_in_flight(n_b, peers))
     return Estimate(
         sequential_s=n_b * critical,
         pipelined_s=critical + (n_b - 1) * bottleneck,
@@ -234,6 +268,7 @@ def estimate(
         links=tuple(links),
         memory_bytes=tuple(float(m) for m in memory),
         fits=fits,
+        scheduled_s=played,
     )
 
 

@@ -117,7 +117,13 @@ class Plan:
 
     @property
     def iteration_s(self) -> float:
+        """What the plan was chosen by (``Estimate.iteration_s``)."""
         return self.estimate.iteration_s
+
+    @property
+    def expected_s(self) -> float:
+        """What a step of the plan is expected to take (``Estimate.expected_s``)."""
+        return self.estimate.expected_s
 
     def to_records(
         self, *, plan_id: str, epoch: int, made_by: str, made_at: float, data_owner: str = ""
@@ -201,7 +207,8 @@ class Plan:
         est = self.estimate
         rows = [
             f"plan {self.method}: {len(self.stages)} stage(s), n_b={self.n_micro_batches}, "
-            f"iteration {est.pipelined_s:.3f} s pipelined / {est.sequential_s:.3f} s sequential, "
+            f"iteration {est.scheduled_s:.3f} s scheduled ({est.pipelined_s:.3f} s pipelined bound, "
+            f"{est.sequential_s:.3f} s sequential), "
             f"bottleneck {est.bottleneck_s * 1e3:.1f} ms{'' if est.fits else ' (DOES NOT FIT)'}",
             f"{'STAGE':>5} {'PEER':<10} {'NODES':<28} {'COMPUTE ms':>10} {'MEMORY GiB':>10}",
         ]

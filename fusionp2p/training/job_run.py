@@ -158,7 +158,7 @@ class JobRun:
         )
         self.submitted = submitted
         self.running_id = submitted.run_id
-        self.clock = self._new_clock(submitted.plan.iteration_s)
+        self.clock = self._new_clock(submitted.plan.expected_s)
         self.events.emit(
             "planned",
             f"plan version {self.version} (job {submitted.run_id}, epoch {submitted.epoch}, coordinator "
@@ -170,7 +170,7 @@ class JobRun:
             coordinator=submitted.reply.coordinator,
             peers=self.stage_peers,
             method=submitted.plan.method,
-            estimate_s=submitted.plan.iteration_s,
+            estimate_s=submitted.plan.expected_s,
             stage_compute_estimate_s=[  # what a stage reports: its compute and its Top-K coding
                 round((c + k) * submitted.plan.n_micro_batches, 4)
                 for c, k in zip(
@@ -225,13 +225,13 @@ class JobRun:
             return
         self.events.emit(
             "calibrated",
-            f"plan version {self.version} re-estimated at {result.iteration_s:.2f} s/step from its "
-            f"stages' measured compute (planned {submitted.plan.iteration_s:.2f} s, measured "
+            f"plan version {self.version} re-estimated at {result.expected_s:.2f} s/step from its "
+            f"stages' measured compute (planned {submitted.plan.expected_s:.2f} s, measured "
             f"{self.clock.expected_s or 0:.2f} s)",
             step=self.step,
             plan_version=self.version,
-            estimate_s=result.iteration_s,
-            planned_estimate_s=submitted.plan.iteration_s,
+            estimate_s=result.expected_s,
+            planned_estimate_s=submitted.plan.expected_s,
             measured_s=self.clock.expected_s,
             speed_factors={p[-8:]: round(f, 3) for p, f in result.factors.items()},
         )
