@@ -18,7 +18,9 @@ uniform Top-K, the paper's adaptive Top-K, planned Top-K}: the elected coordinat
 the cell's GPT-2 on what the peers published, the stages train it, and the cell reports
 the mean step time after ``warmup_steps``, the plan's estimate, the data owner's
 re-estimate after its first steps (``planning/calibrate.py``: each stage's speed from the
-compute it reported; made before the timed steps) and the loss after the fixed steps.
+compute it reported; made before the timed steps), the loss after the fixed steps, and the
+fastest emulated device measured again just before and after the cell (how far the
+machine has drifted from the profile the plan used).
 ``--model resnet18`` runs the matrix on a ResNet-18 and scikit-learn's digits instead.
 Writes ``wan.json``, ``wan.md`` and ``wan.png`` under ``--out`` (``wan-resnet18.*``), and always tears down:
 peers, the data owner and every namespace, also on failure or Ctrl-C.
