@@ -74,6 +74,20 @@ def _env(cache: Path) -> dict[str, str]:
     return {**os.environ, **ENV, "FUSIONP2P_CACHE": str(cache), "PYTHONPATH": path}
 
 
+def _python_line(code: str, args: Sequence[str], env: dict[str, str], launcher: Sequence[str]) -> str:
+    """The last line ``code`` prints, run in a fresh interpreter (one thread, as a peer's
+    device) behind ``launcher`` (a host's namespace, or nothing)."""
+    done = subprocess.run(
+        [*launcher, sys.executable, "-c", code, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    return done.stdout.strip().splitlines()[-1]
+
+
 def profile_speeds(
     topo: TestbedTopology, env: dict[str, str], launcher: Sequence[str] = ()
 ) -> dict[float, EmulatedDevice]:
@@ -88,16 +102,10 @@ def profile_speeds(
         "ps = {s: profile_device('cpu', speed=float(s)) for s in sys.argv[1:]}\n"
         "print(json.dumps({s: [p.flops, p.topk_codec_s] for s, p in ps.items()}))"
     )
-    out = subprocess.run(
-        [*launcher, sys.executable, "-c", code, *map(str, speeds)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    measured = json.loads(_python_line(code, [str(s) for s in speeds], env, launcher))
     return {
         float(k): EmulatedDevice({n: flops[n] for n in ("float32", TRAIN_FLOPS)}, codec)
-        for k, (flops, codec) in json.loads(out.stdout.strip().splitlines()[-1]).items()
+        for k, (flops, codec) in measured.items()
     }
 
 
@@ -110,15 +118,7 @@ def device_now(owner: Host, env: dict[str, str], speed: float) -> float:
         "from fusionp2p.runtime.device_profile import measure_training\n"
         "print(measure_training('cpu', speed=float(sys.argv[1])))"
     )
-    done = subprocess.run(
-        owner.wrap([sys.executable, "-c", code, str(speed)]),
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
-    return float(done.stdout.strip().splitlines()[-1]) / 1e9
+    return float(_python_line(code, [str(speed)], env, owner.wrap([]))) / 1e9
 
 
 def train_gflops(devices: dict[float, EmulatedDevice]) -> dict[str, float]:

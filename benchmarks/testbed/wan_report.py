@@ -55,9 +55,10 @@ STEADY = 0.10  # a cell's machine "ran as profiled" within this drift
 
 def _steady_cells(result: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     """How the plan's estimate fares where the machine ran as it was profiled."""
-    steady = [r for r in rows if (d := drift(r, result)) is not None and abs(d - 1) <= STEADY]
-    if not any(drift(r, result) is not None for r in rows):
+    drifts = [(r, drift(r, result)) for r in rows]
+    if all(d is None for _, d in drifts):
         return ""
+    steady = [r for r, d in drifts if d is not None and abs(d - 1) <= STEADY]
     inside = sum(abs(r["step_s"] / r["estimate_s"] - 1) <= ESTIMATE_TOLERANCE for r in steady)
     return (
         f"The {result['drift_probe_speed']}x device, measured again just before and after each cell "

@@ -22,8 +22,9 @@ or stay busy where the closed form counts the critical path on top of the busies
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -76,13 +77,19 @@ class Estimate:
     links: tuple[LinkEstimate, ...]
     memory_bytes: tuple[float, ...]  # per stage
     fits: bool  # every peer's stages fit its memory
-    scheduled_s: float = 0.0  # the runtime's 1F1B schedule played out (planning.schedule)
+    play: Callable[[], float] | None = field(default=None, repr=False, compare=False)  # -> scheduled_s
 
     @property
     def iteration_s(self) -> float:
         """The pipelined iteration time, or inf when the partition does not fit in memory:
         what planners rank partitions by."""
         return self.pipelined_s if self.fits else float("inf")
+
+    @functools.cached_property
+    def scheduled_s(self) -> float:
+        """The runtime's 1F1B schedule played out (``planning.schedule``); run on first
+        use, since planners' searches make many estimates and rank by ``iteration_s``."""
+        return self.play() if self.play is not None else self.pipelined_s
 
     @property
     def expected_s(self) -> float:
@@ -231,33 +238,27 @@ def estimate(
                 busy[key] = busy.get(key, 0.0) + seconds
     bottleneck = max(busy.values())
 
+    in_flight = stage_in_flight(n_b, peers)
     memory = [
         cost.param_multiplier * sum(dag.nodes[i].param_bytes for i in s.nodes)
         + held * sum(dag.nodes[i].saved_bytes for i in s.nodes)
-        for s, held in zip(stages, stage_in_flight(n_b, peers), strict=True)
+        for s, held in zip(stages, in_flight, strict=True)
     ]
     per_peer: dict[int, float] = {}
     for k, p in enumerate(peers):
         per_peer[p] = per_peer.get(p, 0.0) + memory[k]
     fits = all(used <= cost.memory_headroom * topo.memory[p] for p, used in per_peer.items())
-    hops = [
-        Hop(
-            lk.src,
-            lk.dst,
-            lk.fwd_s,
-            lk.bwd_s,
-            *(
-                (
-                    topo.link_resource(peers[lk.src], peers[lk.dst]),
-                    topo.link_resource(peers[lk.dst], peers[lk.src]),
-                )
-                if peers[lk.src] != peers[lk.dst]
-                else (None, None)
-            ),
-        )
-        for lk in links
-    ]
-    played = simulate((fwd + coding).tolist(), bwd.tolist(), peers, hops, n_b, stage_in_flight(n_b, peers))
+
+    def play() -> float:  # the runtime's schedule, run only where a plan's estimate is read
+        def resource(a: int, b: int) -> Hashable | None:
+            return topo.link_resource(peers[a], peers[b]) if peers[a] != peers[b] else None
+
+        hops = [
+            Hop(lk.src, lk.dst, lk.fwd_s, lk.bwd_s, resource(lk.src, lk.dst), resource(lk.dst, lk.src))
+            for lk in links
+        ]
+        return simulate((fwd + coding).tolist(), bwd.tolist(), peers, hops, n_b, in_flight)
+
     return Estimate(
         sequential_s=n_b * critical,
         pipelined_s=critical + (n_b - 1) * bottleneck,
@@ -268,7 +269,7 @@ def estimate(
         links=tuple(links),
         memory_bytes=tuple(float(m) for m in memory),
         fits=fits,
-        scheduled_s=played,
+        play=play,
     )
 
 

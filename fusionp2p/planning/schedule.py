@@ -62,8 +62,7 @@ def simulate(
         hop = hops[index]
         return hop.fwd_resource if kind == _SEND else hop.bwd_resource
 
-    def duration(kind: int, index: int) -> float:
-        return (fwd_s, bwd_s, [h.fwd_s for h in hops], [h.bwd_s for h in hops])[kind][index]
+    durations = (fwd_s, bwd_s, [h.fwd_s for h in hops], [h.bwd_s for h in hops])  # by task kind
 
     waiting: dict[tuple[int, int, int], int] = {}  # task -> unmet inputs
     for m in range(n_micro_batches):
@@ -100,7 +99,7 @@ def simulate(
             if queue and busy_until.get(res, 0.0) <= now:
                 _, _, _, kind, code = heapq.heappop(queue)
                 index, m = divmod(code, n_micro_batches)
-                busy_until[res] = now + duration(kind, index)
+                busy_until[res] = now + durations[kind][index]
                 heapq.heappush(events, (busy_until[res], kind, index, m))
 
     for k in range(n):
