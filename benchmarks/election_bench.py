@@ -71,7 +71,7 @@ def main() -> None:
             out_dir=workdir,
         )
         began = time.monotonic()
-        submitted = client.submit(job)
+        submitted = client.data_owner().submit(job)
         rows.append(
             (
                 "submit + plan a job",

@@ -27,10 +27,11 @@ from fusionp2p.launch import LocalSwarm, PeerProcess
 from fusionp2p.net.framing import FRAME_VERSION, HEADER, FrameKind
 from fusionp2p.net.transport import P2PTransport
 from fusionp2p.opdag.families import ModelRegistry
-from fusionp2p.opdag.spec import ModelSpec
-from fusionp2p.records import ExecControl
-from fusionp2p.runtime.codec import EXEC_PROTOCOL, ExecClient, pack_message
+from fusionp2p.planning import RuntimeLayout
+from fusionp2p.records import EXEC_PROTOCOL, ExecControl, ModelSpec, pack_message
+from fusionp2p.runtime.codec import ExecClient
 from fusionp2p.runtime.driver import PipelineDriver
+from fusionp2p.runtime.job_setup import JobOptions
 
 TESTS = Path(__file__).parent.parent / "tests"
 sys.path.insert(0, str(TESTS))  # the helpers the security tests use, and their user model
@@ -90,11 +91,9 @@ async def duplicate_opdata(owner: P2PTransport, peer: PeerProcess, copies: int =
     driver = await PipelineDriver.create(
         owner,
         spec,
-        None,
-        [(owner.peer_id, []), (peer.peer_id, peer.multiaddrs)],
-        loss="classification",
-        optimizer=OptimizerConfig(),
-        timeout=120,
+        RuntimeLayout((owner.peer_id, peer.peer_id)),
+        JobOptions(loss="classification", optimizer=OptimizerConfig(), timeout=120),
+        addresses={peer.peer_id: peer.multiaddrs},
     )
     try:
         header = first_forward(driver.partition, driver.job, largest=True)
@@ -127,7 +126,7 @@ async def huge_model(owner: P2PTransport, peer: PeerProcess) -> str:
         "gpt2", {"n_layer": 2, "n_embd": 65536, "n_head": 64, "vocab_size": 50257}, input_shape=(1, 8)
     )
     peers = [(owner.peer_id, []), (peer.peer_id, peer.multiaddrs)]
-    body = fake_setups(spec, peers, job="huge")[1].to_json()
+    body = fake_setups(spec, peers, job="huge")[1].to_wire()
     client = ExecClient(owner, peer.peer_id, timeout=120)
     try:
         await client.request(ExecControl(command="setup", job="huge", body_bytes=len(body)), body)
@@ -139,12 +138,13 @@ async def huge_model(owner: P2PTransport, peer: PeerProcess) -> str:
 
 
 async def malformed(stranger: P2PTransport, peer: PeerProcess) -> str:
-    """A list as a record's kind, and a setup nested 100,000 levels deep."""
+    """A list as a record's kind, and a setup nested 60,000 levels deep (under the 64 KiB a
+    control message may take, so the peer's decoder meets it)."""
     import msgpack
 
     replies = []
     wire = msgpack.packb({"kind": ["exec_control"], "v": 1})
-    deep = b"[" * 100_000 + b"]" * 100_000
+    deep = b"\x91" * 60_000 + b"\x90"  # msgpack: an array holding an array ... holding []
     for payload in (
         len(wire).to_bytes(2, "big") + wire,
         pack_message(ExecControl(command="setup", job="deep", body_bytes=len(deep)), deep),
@@ -175,7 +175,7 @@ async def attack_all(local: LocalSwarm) -> list[dict[str, object]]:
             ("500 streams x partial 8 MiB frame", partial_frames(stranger, peer)),
             ("135 duplicate 32 MiB OpData", duplicate_opdata(owner, peer)),
             ("gpt2 with n_embd 65536", huge_model(owner, peer)),
-            ("list as kind, deep JSON", malformed(stranger, peer)),
+            ("list as kind, deep setup", malformed(stranger, peer)),
         ):
             before, peak_before = rss(peer)
             start = time.monotonic()

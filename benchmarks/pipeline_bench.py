@@ -23,9 +23,8 @@ from pathlib import Path
 
 import torch
 
-from fusionp2p.config import OptimizerConfig
 from fusionp2p.launch import LocalSwarm
-from fusionp2p.opdag.spec import ModelSpec
+from fusionp2p.records import ModelSpec
 from fusionp2p.swarm import Swarm
 
 SPEC = ModelSpec(
@@ -43,11 +42,12 @@ def run(micro_batches: list[int], iterations: int) -> list[dict[str, float]]:
     ):
         while len(swarm.peers()) < 3:
             time.sleep(0.5)
-        topology = swarm.topology()
+        owner = swarm.data_owner()
+        topology = owner.topology()
         vocab = SPEC.config["vocab_size"]
         for n_mb in micro_batches:
-            plan = swarm.plan(SPEC, method="equal-computation/none", n_micro_batches=n_mb, topology=topology)
-            with swarm.pipeline(SPEC, plan=plan, optimizer=OptimizerConfig()) as pipe:
+            plan = owner.plan(SPEC, method="equal-computation/none", n_micro_batches=n_mb, topology=topology)
+            with owner.pipeline(SPEC, plan=plan) as pipe:
                 est = pipe.estimate(topology)
                 times = []
                 for it in range(iterations + 1):  # the first one warms up

@@ -24,11 +24,13 @@ import torch
 from fusionp2p.config import OptimizerConfig, format_bytes
 from fusionp2p.launch import LocalSwarm, PeerProcess
 from fusionp2p.net.transport import P2PTransport
-from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.opdag.split import op_node_names, partition
 from fusionp2p.opdag.trace import trace_spec
+from fusionp2p.planning import RuntimeLayout
 from fusionp2p.planning.cost import in_flight
+from fusionp2p.records import ModelSpec
 from fusionp2p.runtime.driver import PipelineDriver
+from fusionp2p.runtime.job_setup import JobOptions
 from fusionp2p.runtime.memory import stage_memory
 
 MEDIUM = {"n_layer": 24, "n_embd": 1024, "n_head": 16, "vocab_size": 50257, "n_positions": 256}
@@ -83,23 +85,28 @@ async def run_job(local: LocalSwarm, spec: ModelSpec, n_mb: int, n_stages: int) 
         host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, initial_peers=local.initial_peers
     )
     transport = P2PTransport(p2p)
-    peers = [(transport.peer_id, [])] + [(p.peer_id, p.multiaddrs) for p in local.peers]
+    peers = (transport.peer_id, *(p.peer_id for p in local.peers))
+    addresses = {p.peer_id: p.multiaddrs for p in local.peers}
     try:
         idle = [rss(p)[0] for p in local.peers]
         warm = ModelSpec(
             "gpt2", {"n_layer": 1, "n_embd": 16, "n_head": 2, "vocab_size": 64}, input_shape=(1, 8)
         )
-        driver = await PipelineDriver.create(transport, warm, assignment(warm, n_stages), peers, timeout=300)
+        driver = await PipelineDriver.create(
+            transport,
+            warm,
+            RuntimeLayout(peers, assignment(warm, n_stages)),
+            JobOptions(timeout=300),
+            addresses=addresses,
+        )
         await driver.aclose()  # each peer has imported transformers and traced once
         before = [rss(p)[1] for p in local.peers]
         driver = await PipelineDriver.create(
             transport,
             spec,
-            assignment(spec, n_stages),
-            peers,
-            n_micro_batches=n_mb,
-            optimizer=OptimizerConfig(),
-            timeout=600,
+            RuntimeLayout(peers, assignment(spec, n_stages)),
+            JobOptions(n_micro_batches=n_mb, optimizer=OptimizerConfig(), timeout=600),
+            addresses=addresses,
         )
         try:
             vocab = spec.config["vocab_size"]

@@ -31,11 +31,9 @@ from hivemind.p2p import P2P
 from fusionp2p.config import ExecLimits, OptimizerConfig
 from fusionp2p.net.framing import FrameKind, read_frame, write_frame
 from fusionp2p.net.transport import FrameStream, P2PTransport
-from fusionp2p.opdag.spec import ModelSpec
-from fusionp2p.records import ExecControl, OpData
+from fusionp2p.records import ExecControl, JobSetup, ModelSpec, OpData
 from fusionp2p.runtime.codec import ExecClient
 from fusionp2p.runtime.executor import Executor, Message
-from fusionp2p.runtime.job_setup import JobSetup
 from fusionp2p.runtime.opdata_stream import OpDataSender
 from fusionp2p.runtime.service import ExecutorService, ServicePolicy
 
@@ -170,15 +168,14 @@ class OpDataPath:
         body = JobSetup(
             job=self.job,
             spec=ModelSpec("gpt2"),
-            assignment=(0, 1),
-            n_stages=2,
+            peers=((self.transport.peer_id, ()), (self.peer_id, ())),
+            node_ranges=((0, 1), (1, 2)),
             stage=1,
             data_stage=0,
-            peers=((self.transport.peer_id, ()), (self.peer_id, ())),
             n_micro_batches=1,
             optimizer=OptimizerConfig(),
             fingerprint="0" * 16,
-        ).to_json()
+        ).to_wire()
         await self.control.request(ExecControl(command="setup", job=self.job, body_bytes=len(body)), body)
 
     async def teardown(self) -> None:

@@ -22,7 +22,9 @@ from tqdm import tqdm
 
 from fusionp2p.config import OptimizerConfig
 from fusionp2p.launch import LocalSwarm
-from fusionp2p.opdag.spec import ModelSpec
+from fusionp2p.opdag.spec import build_model
+from fusionp2p.records import ModelSpec
+from fusionp2p.runtime.job_setup import JobOptions
 from fusionp2p.swarm import Swarm
 
 
@@ -58,13 +60,10 @@ def train(
                 print(f"error: the peers did not join; logs in {local.workdir}", file=sys.stderr)
                 return None
             time.sleep(0.5)
-        with swarm.pipeline(
-            spec,
-            n_stages=args.peers + 1,
-            n_micro_batches=args.micro_batches,
-            optimizer=OptimizerConfig(lr=args.lr),
-            loss="classification",
-        ) as pipeline:
+        options = JobOptions(
+            n_micro_batches=args.micro_batches, optimizer=OptimizerConfig(lr=args.lr), loss="classification"
+        )
+        with swarm.data_owner().pipeline(spec, n_stages=args.peers + 1, options=options) as pipeline:
             part = pipeline.partition
             for stage in range(part.n_stages):
                 owner = "this process (data owner)" if stage == 0 else pipeline.peers[stage - 1].peer_id[:16]
@@ -98,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         weights = train(args, spec, batches, local)
     if weights is None:
         return 1
-    model = spec.build()
+    model = build_model(spec)
     model.load_state_dict(weights)
     with torch.no_grad():
         accuracy = (model(test_x).argmax(1) == test_y).float().mean().item()

@@ -1,26 +1,20 @@
 """fusionp2p: decentralized training of one model over many peers (after FusionLLM).
 
-- ``errors.py``: the FusionP2PError tree.
-- ``config.py``: PeerConfig, ProbeConfig, Timeouts, ExecLimits, OptimizerConfig.
-- ``records/``: versioned wire records: PeerRecord, LinkRecord, PlanStageRecord and the
-  rest of the DHT's (``swarm.py``); TopKHeader, OpData and ExecControl for the exec protocol
-  (``tensors.py``); their shared msgpack form (``wire.py``).
-- ``net/``: identity, DHT directory and validators, frame streams, transports, probes.
-- ``runtime/``: device profiling; executors (remote autodiff), the exec protocol and who
-  may use it, stage memory needs, the data owner's pipeline driver.
-- ``opdag/``: the OP-DAG IR, analytic transformer OP-DAGs, tracing, model families and
-  specs (a peer builds only families its operator installed), splitting.
-- ``planning/``: cost model, estimators, clustering, OP-Fence, baselines, exact solver, Plan.
-- ``compression/``: Top-K selection, wire format, error feedback (CUDA kernels in ``kernels/``).
-- ``peer.py``: the long-running Peer.
-- ``swarm.py``: the public Swarm facade; ``pipeline.py``: its training Pipeline.
-- ``launch.py``: LocalSwarm, several peer processes on this machine.
-- ``viz.py``: a picture of a plan on the clustered bandwidth graph.
-- ``cli.py``: ``fusionp2p peer | status | plan | local | train`` (``cli_swarm.py``,
-  ``cli_jobs.py``).
-"""
+The layers, lowest first (each imports only from those below it; ``docs/architecture.md``
+draws them):
 
-__version__ = "0.1.0"
+- ``errors.py``, ``config.py``, ``version.py``: the FusionP2PError tree; validated config
+  dataclasses; the version.
+- ``records/``: every byte that crosses a process boundary, versioned and validated.
+- ``opdag/``: the OP-DAG IR, model families and specs, tracing, splitting.
+- ``planning/``: cost model, OP-Fence, baselines, the Plan (pure).
+- ``compression/``: Top-K, its wire packing, error feedback (CUDA sources in ``kernels/``).
+- ``net/``: identity, the DHT and its directory, frames, transports, probes, a client's connection.
+- ``runtime/``: device profiling, the stage server, executors, the data owner's pipeline driver.
+- ``coordination/``: the lease and its election, the coordinator, a stage's check of the plan.
+- ``training/``: the data owner's role: job specs, data, submission, pipelines, the run.
+- ``peer.py``, ``swarm.py``, ``launch.py``, ``viz.py``, ``cli*.py``: composition.
+"""
 
 from fusionp2p.config import DEFAULT_SWARM, ExecLimits, OptimizerConfig, PeerConfig, ProbeConfig, Timeouts
 from fusionp2p.errors import (
@@ -33,13 +27,17 @@ from fusionp2p.errors import (
     RecordError,
     SwarmError,
 )
-from fusionp2p.records import LinkRecord, PeerRecord
+from fusionp2p.records import LinkRecord, ModelSpec, PeerRecord
+from fusionp2p.version import __version__
 
 __all__ = [
     "DEFAULT_SWARM",
     "ConfigError",
+    "DataOwner",
     "ExecLimits",
     "FusionP2PError",
+    "JobOptions",
+    "JobSpec",
     "LimitError",
     "LinkRecord",
     "ModelFamily",
@@ -62,15 +60,27 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    # these pull in hivemind and torch; import them only when asked for
-    if name in ("Swarm", "Pipeline"):
-        from fusionp2p import swarm
+    # these pull in hivemind and torch: imported only when asked for
+    if name == "Swarm":
+        from fusionp2p.swarm import Swarm
 
-        return getattr(swarm, name)
-    if name == "ModelSpec":
-        from fusionp2p.opdag.spec import ModelSpec
+        return Swarm
+    if name == "DataOwner":
+        from fusionp2p.training.data_owner import DataOwner
 
-        return ModelSpec
+        return DataOwner
+    if name == "Pipeline":
+        from fusionp2p.training.pipeline import Pipeline
+
+        return Pipeline
+    if name == "JobSpec":
+        from fusionp2p.training.job_spec import JobSpec
+
+        return JobSpec
+    if name == "JobOptions":
+        from fusionp2p.runtime.job_setup import JobOptions
+
+        return JobOptions
     if name in ("ModelFamily", "ModelRegistry"):
         from fusionp2p.opdag import families
 

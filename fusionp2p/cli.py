@@ -17,21 +17,18 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from fusionp2p import __version__
 from fusionp2p.cli_jobs import add_train_parser, cmd_train
 from fusionp2p.cli_swarm import cmd_local, cmd_plan, cmd_status
 from fusionp2p.config import DEFAULT_SWARM, ExecLimits, PeerConfig, ProbeConfig, parse_bytes
 from fusionp2p.errors import FusionP2PError
 from fusionp2p.opdag.families import BUILTIN_FAMILIES
-
-if TYPE_CHECKING:
-    pass
+from fusionp2p.version import __version__
 
 __all__ = ["main"]
 
 logger = logging.getLogger("fusionp2p.cli")
+_PEER = PeerConfig()  # the defaults every flag of `fusionp2p peer` shows
 
 
 def _add_swarm_args(parser: argparse.ArgumentParser, *, site: bool = True) -> None:
@@ -77,7 +74,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     peer.add_argument(
         "--host-maddrs",
         nargs="+",
-        default=["/ip4/127.0.0.1/tcp/0"],
+        default=list(_PEER.host_maddrs),
         metavar="MADDR",
         help="where to listen; use /ip4/0.0.0.0/tcp/PORT to accept other machines (default: loopback only)",
     )
@@ -93,14 +90,14 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     peer.add_argument(
         "--device",
-        default="cpu",
+        default=_PEER.device,
         help="cpu, cuda[:N], or auto (a GPU when there is one) (default: %(default)s)",
     )
     peer.add_argument("--flops", type=float, help="declared fp32 FLOP/s instead of measuring")
     peer.add_argument(
         "--emulated-speed",
         type=float,
-        default=1.0,
+        default=_PEER.emulated_speed,
         metavar="F",
         help="testbeds: profile and compute as a device F times as fast as this one, F in (0, 1] "
         "(each piece of work is followed by a sleep; default: %(default)s)",
@@ -108,12 +105,17 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     peer.add_argument(
         "--upload-limit-mbps", type=float, help="cap this peer's outgoing stream traffic (Mbit/s)"
     )
-    peer.add_argument("--heartbeat", type=float, default=5.0, help="seconds between refreshes")
+    peer.add_argument("--heartbeat", type=float, default=_PEER.heartbeat, help="seconds between refreshes")
     peer.add_argument(
-        "--record-ttl", type=float, default=20.0, help="seconds a record lives without a heartbeat"
+        "--record-ttl",
+        type=float,
+        default=_PEER.record_ttl,
+        help="seconds a record lives without a heartbeat",
     )
-    peer.add_argument("--probe-period", type=float, default=10.0, help="seconds between link probe rounds")
-    peer.add_argument("--probe-fanout", type=int, default=3, help="peers probed per round")
+    peer.add_argument(
+        "--probe-period", type=float, default=_PEER.probe.period, help="seconds between link probe rounds"
+    )
+    peer.add_argument("--probe-fanout", type=int, default=_PEER.probe.fanout, help="peers probed per round")
     peer.add_argument(
         "--exit-with-parent",
         action="store_true",
@@ -137,7 +139,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         metavar="SIZE",
         help="the most memory one stage may need, e.g. 8GiB (default: 80%% of free memory at setup)",
     )
-    jobs.add_argument("--max-jobs", type=int, default=1, help="jobs served at once (default: %(default)s)")
+    jobs.add_argument(
+        "--max-jobs", type=int, default=_PEER.max_jobs, help="jobs served at once (default: %(default)s)"
+    )
     jobs.add_argument(
         "--accept-jobs-from",
         action="append",
@@ -148,7 +152,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     jobs.add_argument(
         "--max-inbound-memory",
         type=_size,
-        default=ExecLimits().inbound_bytes,
+        default=_PEER.exec_limits.inbound_bytes,
         metavar="SIZE",
         help="message bodies held from all peers at once (default: 1GiB)",
     )
@@ -160,14 +164,14 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     jobs.add_argument(
         "--lease-seconds",
         type=float,
-        default=15.0,
+        default=_PEER.lease_seconds,
         metavar="S",
         help="coordinator lease period; a dead coordinator is replaced within 3 (default: %(default)s)",
     )
     jobs.add_argument(
         "--job-idle-timeout",
         type=float,
-        default=ExecLimits().job_idle_timeout,
+        default=_PEER.exec_limits.job_idle_timeout,
         metavar="S",
         help="free a job whose owner sent nothing for this long (default: %(default)s s)",
     )
@@ -275,7 +279,7 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         lease_seconds=args.lease_seconds,
         exec_limits=ExecLimits(
             inbound_bytes=args.max_inbound_memory,
-            inbound_bytes_per_peer=min(args.max_inbound_memory, ExecLimits().inbound_bytes_per_peer),
+            inbound_bytes_per_peer=min(args.max_inbound_memory, _PEER.exec_limits.inbound_bytes_per_peer),
             job_idle_timeout=args.job_idle_timeout,
         ),
     )

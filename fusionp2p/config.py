@@ -6,31 +6,34 @@ that shows them. Timeouts and limits are small keyword-only value objects.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 from fusionp2p.errors import ConfigError
 
 __all__ = [
     "DEFAULT_SWARM",
+    "DEFAULT_TIMEOUTS",
+    "NAME_RE",
+    "NO_WARMUP",
     "PEER_ID_RE",
+    "SITE_PATTERN",
     "ExecLimits",
     "OptimizerConfig",
     "PeerConfig",
     "ProbeConfig",
+    "RatioWarmup",
     "Timeouts",
     "check_site",
     "format_bytes",
-    "load_json_object",
     "parse_bytes",
 ]
 
 DEFAULT_SWARM = "fusionp2p"
 NAME_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")  # a swarm's or a job's name: 1-64 letters, digits, - or _
 PEER_ID_RE = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")  # a base58 PeerID
+SITE_PATTERN = re.compile(r"[A-Za-z0-9._-]{0,64}")  # a data centre's label (PeerRecord.site); "" for none
 
 
 def _positive(owner: str, **values: float) -> None:
@@ -39,60 +42,17 @@ def _positive(owner: str, **values: float) -> None:
             raise ConfigError(f"{owner}.{name} must be a positive finite number, got {value!r}")
 
 
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-_JSON_BRACKET = re.compile(r"[\[\]{}]")
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _BYTE_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
 _BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
-def _json_depth(text: str) -> int:
-    depth = deepest = 0
-    for bracket in _JSON_BRACKET.findall(_JSON_STRING.sub("", text)):
-        depth += 1 if bracket in "[{" else -1
-        deepest = max(deepest, depth)
-    return deepest
-
-
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def load_json_object(
-    data: str | bytes | bytearray, what: str, limit: int, *, max_depth: int = 16
-) -> dict[str, Any]:
-    """A JSON object another peer sent: at most ``limit`` bytes and ``max_depth`` levels deep,
-    finite numbers only.
-
-    Raises:
-        ConfigError: too large, too deep, not UTF-8 JSON, or not an object.
-    """
-    if len(data) > limit:
-        raise ConfigError(f"{what} of {len(data)} bytes > limit {limit}")
-    try:
-        text = data if isinstance(data, str) else bytes(data).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{what} is not UTF-8: {e}") from e
-    depth = _json_depth(text)
-    if depth > max_depth:
-        raise ConfigError(f"{what} nests {depth} levels deep > limit {max_depth}")
-    try:
-        body = json.loads(text, parse_constant=_no_constant)
-    except (ValueError, RecursionError) as e:
-        raise ConfigError(f"{what} is not JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise ConfigError(f"{what} must be a JSON object, got {type(body).__name__}")
-    return body
-
-
 def check_site(site: object, where: str) -> str:
-    """``site`` if it is a data-centre label a PeerRecord can carry (``records.SITE_PATTERN``).
+    """``site`` if it is a data-centre label a PeerRecord can carry (``SITE_PATTERN``).
 
     Raises:
         ConfigError: not up to 64 letters, digits, '.', '_' or '-'.
     """
-    from fusionp2p.records import SITE_PATTERN
-
     if not isinstance(site, str) or not SITE_PATTERN.fullmatch(site):
         raise ConfigError(f"{where} takes up to 64 letters, digits, '.', '_' or '-', got {site!r:.80}")
     return site
@@ -146,9 +106,25 @@ class Timeouts:
     probe: float = 20.0  # one whole bandwidth/RTT probe of one link
     dht: float = 15.0  # one DHT get or store
     shutdown: float = 10.0  # leaving the swarm cleanly
+    request: float = 120.0  # one request of a data owner to a stage or the coordinator
+    ping: float = 5.0  # a stage owner answering a liveness ping
+    teardown: float = 3.0  # one stage tearing a job down
+    courtesy: float = 2.0  # a last frame (END, ERROR) sent before a stream closes
 
     def __post_init__(self) -> None:
-        _positive("Timeouts", probe=self.probe, dht=self.dht, shutdown=self.shutdown)
+        _positive(
+            "Timeouts",
+            probe=self.probe,
+            dht=self.dht,
+            shutdown=self.shutdown,
+            request=self.request,
+            ping=self.ping,
+            teardown=self.teardown,
+            courtesy=self.courtesy,
+        )
+
+
+DEFAULT_TIMEOUTS = Timeouts()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,9 +174,8 @@ class ExecLimits:
     """What a peer accepts on its exec protocol. Over a limit, the stream gets an ERROR
     reply naming the limit and is closed; the peer keeps serving everyone else."""
 
-    control_bytes: int = 64 << 10  # body of a control message (setup, step, fetch, teardown)
+    control_bytes: int = 64 << 10  # body of a control message (a setup; step, fetch and teardown have none)
     weights_chunk_bytes: int = 64 << 20  # one weights message (a tensor larger than this comes alone)
-    json_depth: int = 16  # nesting of any JSON a peer sends
     max_stages: int = 64  # stages of one job
     idle_timeout: float = 30.0  # an inbound stream that starts no frame for this long is closed
     stall_timeout: float = 30.0  # a frame whose bytes stop arriving for this long is dropped
@@ -216,7 +191,6 @@ class ExecLimits:
             "ExecLimits",
             control_bytes=self.control_bytes,
             weights_chunk_bytes=self.weights_chunk_bytes,
-            json_depth=self.json_depth,
             max_stages=self.max_stages,
             streams_per_peer=self.streams_per_peer,
             streams_total=self.streams_total,
@@ -329,32 +303,30 @@ class OptimizerConfig:
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0 and 0 <= self.momentum < 1):
             raise ConfigError("OptimizerConfig.weight_decay must be >= 0 and momentum in [0, 1)")
 
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "name": self.name,
-            "lr": self.lr,
-            "betas": list(self.betas),
-            "eps": self.eps,
-            "weight_decay": self.weight_decay,
-            "momentum": self.momentum,
-        }
 
-    @classmethod
-    def from_dict(cls, body: object) -> OptimizerConfig:
-        """Raises ConfigError on a malformed dict (it comes from another peer)."""
-        if not isinstance(body, dict):
-            raise ConfigError("optimizer config must be a JSON object")
-        unknown = sorted(set(body) - {"name", "lr", "betas", "eps", "weight_decay", "momentum"})
-        if unknown:
-            raise ConfigError(f"optimizer config has no field {unknown[0]!r:.40}")
-        try:
-            return cls(
-                name=str(body.get("name", "adamw")),
-                lr=float(body.get("lr", 1e-3)),
-                betas=tuple(float(b) for b in body.get("betas", (0.9, 0.999))),  # type: ignore[arg-type]
-                eps=float(body.get("eps", 1e-8)),
-                weight_decay=float(body.get("weight_decay", 0.01)),
-                momentum=float(body.get("momentum", 0.0)),
-            )
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"optimizer config has a mistyped field: {e}") from e
+@dataclass(frozen=True)
+class RatioWarmup:
+    """Top-K ratios grow as ``ratio ** (t / steps)`` over a job's steps ``t < steps``; ``done``
+    of them passed before a pipeline's iteration 0, so a re-plan or a resume continues the
+    ramp instead of restarting it. An abrupt switch from dense to the full ratio costs more
+    loss than no warm-up at all; growing it geometrically costs less than either
+    (benchmarks/convergence.py)."""
+
+    steps: int = 0
+    done: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "done"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 62:
+                raise ConfigError(f"RatioWarmup.{name} must be an integer in [0, 2**62), got {value!r:.40}")
+
+    def ratio(self, ratio: float, iteration: int) -> float:
+        """The Top-K ratio to send at a pipeline's ``iteration`` for a planned ``ratio``."""
+        step = self.done + iteration
+        if step >= self.steps or ratio <= 1:
+            return ratio
+        return float(ratio ** (step / self.steps))
+
+
+NO_WARMUP = RatioWarmup()  # the plan's ratios from the first step

@@ -22,7 +22,6 @@ import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
-from fusionp2p import __version__
 from fusionp2p.config import PeerConfig
 from fusionp2p.coordination.coordinator import Coordinator
 from fusionp2p.coordination.election import LeaseKeeper
@@ -32,21 +31,14 @@ from fusionp2p.net.dht_node import start_dht
 from fusionp2p.net.directory import SwarmDirectory, Unread
 from fusionp2p.net.identity import ensure_identity, load_signing_key
 from fusionp2p.net.limits import StreamGate
-from fusionp2p.net.probe import (
-    HINT_SOURCES,
-    PROBE_PROTOCOL,
-    LinkEstimator,
-    hints_from,
-    probe_link,
-    serve_probe,
-)
+from fusionp2p.net.probe import HINT_SOURCES, LinkEstimator, hints_from, probe_link, serve_probe
 from fusionp2p.net.sockets import hivemind_sockets, remove_stale
 from fusionp2p.net.transport import P2PTransport, RateLimitedTransport, Transport
 from fusionp2p.opdag.families import ModelRegistry
-from fusionp2p.records import PeerRecord
+from fusionp2p.records import PROBE_PROTOCOL, JobSetup, PeerRecord
 from fusionp2p.runtime.device_profile import DeviceProfile, free_memory, profile_device, resolve_device
-from fusionp2p.runtime.job_setup import JobSetup
 from fusionp2p.runtime.service import ExecutorService, ServicePolicy
+from fusionp2p.version import __version__
 
 __all__ = ["Peer"]
 

@@ -16,11 +16,11 @@ from hivemind.p2p import P2P
 from fusionp2p.config import OptimizerConfig
 from fusionp2p.launch import LocalSwarm
 from fusionp2p.net.transport import P2PTransport
-from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.opdag.split import Partition, op_node_names, partition
 from fusionp2p.opdag.trace import trace_spec
-from fusionp2p.records import OpData
-from fusionp2p.runtime.job_setup import JobSetup
+from fusionp2p.planning import RuntimeLayout
+from fusionp2p.records import JobSetup, ModelSpec, OpData
+from fusionp2p.runtime.job_setup import JobOptions, stage_setups
 
 T = TypeVar("T")
 
@@ -73,10 +73,12 @@ def fake_setups(
     under a fake tensor mode here (a model of any size costs no memory)."""
     traced = trace_spec(spec, registry, fake=True)
     n = len(op_node_names(traced.program.graph))
-    part = partition(traced.program, [i * len(peers) // n for i in range(n)], len(peers))
-    return JobSetup.for_stages(
-        job, spec, traced, part, peers, n_micro_batches=n_micro_batches, optimizer=OptimizerConfig()
-    )
+    assignment = [i * len(peers) // n for i in range(n)]
+    part = partition(traced.program, assignment, len(peers))
+    layout = RuntimeLayout(tuple(p for p, _ in peers), assignment)
+    options = JobOptions(job=job, n_micro_batches=n_micro_batches)
+    addresses = {p: tuple(m) for p, m in peers}
+    return stage_setups(spec, traced.dag.fingerprint, assignment, part, layout, options, addresses)
 
 
 def stranger_setup(family: str, config: dict, stranger: str, target: str, *, job: str = "evil") -> bytes:
@@ -84,15 +86,14 @@ def stranger_setup(family: str, config: dict, stranger: str, target: str, *, job
     return JobSetup(
         job=job,
         spec=ModelSpec(family, config, input_shape=(1, 4)),
-        assignment=(0, 1),
-        n_stages=2,
+        node_ranges=((0, 1), (1, 2)),
         stage=1,
         data_stage=0,
         peers=((stranger, ()), (target, ())),
         n_micro_batches=1,
         optimizer=OptimizerConfig(),
         fingerprint="0" * 16,
-    ).to_json()
+    ).to_wire()
 
 
 class Identities:

@@ -7,7 +7,6 @@ bit-flipped valid messages. Seeded, so a failure reproduces.
 
 from __future__ import annotations
 
-import json
 import random
 import struct
 from collections.abc import Callable
@@ -17,11 +16,16 @@ from hivemind.proto import dht_pb2
 
 from fusionp2p.config import OptimizerConfig
 from fusionp2p.net.framing import FRAME_VERSION, HEADER, FrameKind
-from fusionp2p.net.probe import PROBE_PROTOCOL
-from fusionp2p.opdag.spec import ModelSpec
-from fusionp2p.records import EXEC_COMMANDS, ExecControl, OpData
-from fusionp2p.runtime.codec import EXEC_PROTOCOL, pack_message
-from fusionp2p.runtime.job_setup import JobSetup
+from fusionp2p.records import (
+    EXEC_COMMANDS,
+    EXEC_PROTOCOL,
+    PROBE_PROTOCOL,
+    ExecControl,
+    JobSetup,
+    ModelSpec,
+    OpData,
+    pack_message,
+)
 
 __all__ = ["FrameFuzzer"]
 
@@ -64,22 +68,27 @@ class FrameFuzzer:
     def wrong(self) -> object:
         return self.rng.choice(_WRONG)
 
-    def setup_json(self) -> dict:
+    def setup_body(self) -> dict:
         setup = JobSetup(
             job="fuzz",
             spec=ModelSpec("gpt2", {"n_layer": 1, "n_embd": 8, "n_head": 2}, input_shape=(1, 4)),
-            assignment=(0, 1, 1),
-            n_stages=2,
+            peers=((self.stranger, ()), (self.target, ())),
+            node_ranges=((0, 1), (1, 3)),
             stage=1,
             data_stage=0,
-            peers=((self.stranger, ()), (self.target, ())),
             n_micro_batches=1,
             optimizer=OptimizerConfig(),
             fingerprint="0" * 16,
         )
-        return json.loads(setup.to_json())
+        return msgpack.unpackb(setup.to_wire())
 
-    def mutate_json(self, body: dict) -> bytes:
+    def pack(self, body: object) -> bytes:
+        try:
+            return msgpack.packb(body, use_bin_type=True)
+        except (OverflowError, ValueError, TypeError):
+            return msgpack.packb({"kind": "job_setup", "v": [body.__class__.__name__]}, use_bin_type=True)
+
+    def mutate_setup(self, body: dict) -> bytes:
         choice = self.rng.random()
         if choice < 0.5:  # a wrong type in one field, at any depth
             target = body
@@ -88,22 +97,25 @@ class FrameFuzzer:
                 target = target[key]
                 key = self.rng.choice(sorted(target))
             target[key] = self.wrong()
-            return json.dumps(body).encode()
-        if choice < 0.6:
-            return b'{"v": 2, "deep": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+            return self.pack(body)
+        if choice < 0.6:  # nested far deeper than any field
+            deep: object = []
+            for _ in range(400):
+                deep = [deep]
+            return self.pack({**body, "spec": {**body["spec"], "config": {"deep": deep}}})
         if choice < 0.7:
-            return b'{"v": 2, "n": ' + b"9" * 5000 + b"}"
+            return self.pack({**body, "node_ranges": [[0, 2**40]] * 2})
         if choice < 0.8:
-            return json.dumps(body).encode()[: self.rng.randint(0, 200)]
+            return self.pack(body)[: self.rng.randint(0, 200)]
         if choice < 0.9:
-            return b"\xff\xfe" + json.dumps(body).encode()
+            return b"\xc1" + self.pack(body)
         body["spec"]["family"] = self.rng.choice(["os:system", "subprocess:run", "builtins:eval", "x" * 200])
-        return json.dumps(body).encode()
+        return self.pack(body)
 
     def control(self) -> bytes:
         command = self.rng.choice(EXEC_COMMANDS)
         if command == "setup":
-            body = self.mutate_json(self.setup_json())
+            body = self.mutate_setup(self.setup_body())
         else:
             body = self.junk(self.rng.choice([0, 8, 1000]))
         header = ExecControl(command=command, job=self.rng.choice(["fuzz", "x" * 200]), body_bytes=len(body))

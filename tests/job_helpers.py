@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from fusionp2p.opdag.families import ModelRegistry
+from fusionp2p.opdag.spec import build_model
 from fusionp2p.records import PeerRecord
 from fusionp2p.runtime.losses import LOSSES
-from fusionp2p.training.data import load_data
 from fusionp2p.training.job_spec import JobSpec
 
 
@@ -31,7 +31,7 @@ def peer_record(peer_id: str, state: str = "training") -> PeerRecord:
 def reference_losses(job: JobSpec) -> list[float]:
     """The same job trained in this one process."""
     spec = job.model_spec()
-    model = spec.build(ModelRegistry())
+    model = build_model(spec, ModelRegistry())
     opt_cfg = job.optimizer_config
     opt = torch.optim.AdamW(
         model.parameters(),
@@ -40,7 +40,7 @@ def reference_losses(job: JobSpec) -> list[float]:
         eps=opt_cfg.eps,
         weight_decay=opt_cfg.weight_decay,
     )
-    data = load_data(job)
+    data = job.load_data()
     batches = data.batches(job.micro_batch_size, job.n_micro_batches, seed=job.data_seed)
     loss_fn = LOSSES[job.loss]
     losses = []

@@ -12,7 +12,6 @@ from fusionp2p.compression import (
     ErrorFeedback,
     LinkCompressor,
     PayloadError,
-    RatioWarmup,
     decode,
     decode_at,
     encode,
@@ -23,6 +22,7 @@ from fusionp2p.compression import (
     topk_reference,
     topk_rows,
 )
+from fusionp2p.config import RatioWarmup
 from fusionp2p.errors import ConfigError
 from fusionp2p.records import TopKHeader
 

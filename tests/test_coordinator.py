@@ -27,17 +27,18 @@ from hivemind.utils import get_dht_time
 from job_helpers import reference_losses
 
 from fusionp2p.config import OptimizerConfig
-from fusionp2p.data_owner import plan_job
 from fusionp2p.errors import ProtocolError, SwarmError
 from fusionp2p.launch import LocalSwarm
 from fusionp2p.net.dht_node import start_dht
 from fusionp2p.net.directory import SwarmDirectory
 from fusionp2p.net.identity import ensure_identity, load_signing_key
-from fusionp2p.planning import CompressionPolicy, CostConfig, Topology
+from fusionp2p.planning import CompressionPolicy, CostConfig, Topology, plan_job
 from fusionp2p.records import LeaseRecord
+from fusionp2p.runtime.job_setup import JobOptions
 from fusionp2p.swarm import Swarm
 from fusionp2p.training.corpus import TextCorpus
 from fusionp2p.training.job_spec import JobSpec
+from fusionp2p.training.submit import SubmittedJob
 
 LEASE_S = 5.0
 PEER_ARGS = ["--heartbeat", "1", "--record-ttl", "5", "--probe-period", "2", "--lease-seconds", str(LEASE_S)]
@@ -143,6 +144,11 @@ def test_a_resnet_trains_on_the_digits_through_the_coordinator_like_one_process(
     assert row["images"] == 4 * 8 and row["images_per_s"] > 0
 
 
+def _options(submitted: SubmittedJob, epoch: int, job: str) -> JobOptions:
+    """How the data owner sets ``submitted``'s plan up, claiming ``epoch`` for job ``job``."""
+    return JobOptions(job=job, n_micro_batches=submitted.plan.n_micro_batches, epoch=epoch)
+
+
 def _forger_publishes(local: LocalSwarm, records_of: object, tmp: Path) -> str:
     """A peer that does not hold the lease signs and publishes a plan; returns its PeerID."""
     identity = str(tmp / "forger.key")
@@ -167,7 +173,8 @@ def test_a_plan_not_signed_by_the_lease_holder_is_refused(
     client: Swarm, local: LocalSwarm, tmp_path: Path
 ) -> None:
     job = _job(tmp_path)
-    submitted = client.submit(job)
+    owner = client.data_owner()
+    submitted = owner.submit(job)
     lease = client.coordinator()
     assert lease is not None
     forged_job = f"{submitted.run_id}-forged"
@@ -184,10 +191,12 @@ def test_a_plan_not_signed_by_the_lease_holder_is_refused(
     forger = _forger_publishes(local, records_of, tmp_path)
     assert (forged_job, lease.epoch, forger) in client.jobs()  # it is in the DHT, properly signed
     with pytest.raises(ProtocolError, match="published no complete plan"):
-        client.pipeline(job.model_spec(), plan=submitted.plan, epoch=lease.epoch, job=forged_job)
+        owner.pipeline(
+            job.model_spec(), plan=submitted.plan, options=_options(submitted, lease.epoch, forged_job)
+        )
     # the coordinator's own plan of the same job is taken
-    with client.pipeline(
-        job.model_spec(), plan=submitted.plan, epoch=submitted.epoch, job=submitted.run_id
+    with owner.pipeline(
+        job.model_spec(), plan=submitted.plan, options=_options(submitted, submitted.epoch, submitted.run_id)
     ) as p:
         assert len(p.run_iteration(next(_batches(job)))) == job.n_micro_batches
         # its peers are busy now: marked so in their records, and left out of another job's plan
@@ -198,11 +207,11 @@ def test_a_plan_not_signed_by_the_lease_holder_is_refused(
             time.sleep(0.3)
         second = job.with_(name="second", min_peers=1, wait_peers_s=3.0)
         if len(busy) < len(local.peers):
-            other = client.submit(second)
+            other = owner.submit(second)
             assert other.plan.peer_ids and not busy & set(other.plan.peer_ids)
         else:  # the plan took every peer: none is left for another job
             with pytest.raises(SwarmError, match="too few peers"):
-                client.submit(second)
+                owner.submit(second)
 
 
 def _batches(job: JobSpec) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -224,7 +233,8 @@ def test_a_killed_coordinator_is_replaced_and_its_epoch_is_over(
     client: Swarm, local: LocalSwarm, tmp_path: Path
 ) -> None:
     job = _job(tmp_path)
-    old_plan = client.submit(job)
+    owner = client.data_owner()
+    old_plan = owner.submit(job)
     old = client.coordinator()
     assert old is not None and old.epoch == old_plan.epoch
     index = next(i for i, p in enumerate(local.peers) if p.peer_id == old.holder)
@@ -235,10 +245,12 @@ def test_a_killed_coordinator_is_replaced_and_its_epoch_is_over(
     assert took <= 3 * LEASE_S + 2.0, f"re-elected after {took:.1f} s"  # 3 lease periods + DHT reads
     assert new.epoch == old.epoch + 1
     # every stage ignores a plan of the old epoch, though its signer held the lease then
-    submitted = client.submit(job.with_(min_peers=2))
+    submitted = owner.submit(job.with_(min_peers=2))
     assert submitted.epoch == new.epoch and submitted.reply.coordinator == new.holder
     with pytest.raises(ProtocolError, match=f"epoch {old.epoch}, the coordinator's is {new.epoch}"):
-        client.pipeline(job.model_spec(), plan=submitted.plan, epoch=old.epoch, job=submitted.run_id)
+        owner.pipeline(
+            job.model_spec(), plan=submitted.plan, options=_options(submitted, old.epoch, submitted.run_id)
+        )
     # and a job submitted now runs
     result = client.train(job.with_(min_peers=2, name="after-failover"), progress=False, out=lambda *_: None)
     assert len(result.losses) == job.steps and result.submitted.epoch == new.epoch

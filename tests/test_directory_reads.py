@@ -9,12 +9,12 @@ import asyncio
 from dataclasses import replace
 from typing import Any
 
+import msgpack
 import pytest
 from hivemind.utils import ValueWithExpiration, get_dht_time
 from job_helpers import peer_record
 
-from fusionp2p.coordination.protocol import JobReply
-from fusionp2p.errors import ConfigError, IncompleteReadError, RecordError
+from fusionp2p.errors import IncompleteReadError, RecordError
 from fusionp2p.net.directory import (
     MAX_CONCURRENT_GETS,
     MAX_PEERS_PER_SHARD,
@@ -23,7 +23,14 @@ from fusionp2p.net.directory import (
     Unread,
 )
 from fusionp2p.net.directory_view import DirectoryView
-from fusionp2p.records import LINKS_PER_SET, MAX_LINKS_PER_PEER, LinkRecord, LinkSetRecord, PeerRecord
+from fusionp2p.records import (
+    LINKS_PER_SET,
+    MAX_LINKS_PER_PEER,
+    JobReply,
+    LinkRecord,
+    LinkSetRecord,
+    PeerRecord,
+)
 
 SRC = "Qm" + "s" * 44
 
@@ -116,10 +123,9 @@ def test_the_directory_refuses_to_grow_a_links_key_past_its_bound() -> None:
 
 def test_a_reply_says_which_keys_its_plan_was_made_without() -> None:
     reply = JobReply("job-1", 3, 2, SRC, (_peer(1),), (_link(1),), unread=("t.peers.3",))
-    assert JobReply.from_json(reply.to_json()).unread == ("t.peers.3",)
-    bad = reply.to_json().replace(b'"unread": ["t.peers.3"]', b'"unread": ["' + b"x" * 200 + b'"]')
-    with pytest.raises(ConfigError, match="unread"):
-        JobReply.from_json(bad)
+    assert JobReply.from_wire(reply.to_wire()).unread == ("t.peers.3",)
+    with pytest.raises(RecordError, match="unread"):
+        JobReply.from_wire(msgpack.packb({**reply.to_body(), "unread": ["x" * 200]}))
 
 
 def test_peer_shards_split_as_the_swarm_grows_and_no_key_passes_its_bound() -> None:

@@ -9,27 +9,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import struct
 import time
 from collections.abc import AsyncIterator
 
+import msgpack
 import pytest
 import torch
 from exec_helpers import first_forward, stranger_setup
 
-from fusionp2p.compression import RatioWarmup
-from fusionp2p.config import ExecLimits, OptimizerConfig
-from fusionp2p.errors import ConfigError, LimitError, PeerUnreachableError
+from fusionp2p.config import ExecLimits, OptimizerConfig, RatioWarmup
+from fusionp2p.errors import LimitError, PeerUnreachableError, RecordError
 from fusionp2p.net.framing import FRAME_VERSION, HEADER, FrameKind
 from fusionp2p.net.limits import InboundBudget
 from fusionp2p.net.transport import FrameStream, MemoryTransport
 from fusionp2p.opdag.families import ModelRegistry
-from fusionp2p.opdag.spec import ModelSpec
-from fusionp2p.records import ExecControl
-from fusionp2p.runtime.codec import EXEC_PROTOCOL, pack_message
+from fusionp2p.planning import RuntimeLayout
+from fusionp2p.records import EXEC_PROTOCOL, ExecControl, JobSetup, ModelSpec, pack_message
 from fusionp2p.runtime.driver import PipelineDriver
-from fusionp2p.runtime.job_setup import JobSetup
+from fusionp2p.runtime.job_setup import JobOptions
 from fusionp2p.runtime.service import ExecutorService, ServicePolicy
 
 OWNER, STAGE, STRANGER = "Qm" + "a" * 44, "Qm" + "b" * 44, "Qm" + "c" * 44
@@ -80,13 +78,14 @@ async def driver(n: Net) -> PipelineDriver:
     return await PipelineDriver.create(
         n.owner,
         SPEC,
-        None,
-        [(OWNER, []), (STAGE, [])],
-        n_micro_batches=2,
-        optimizer=OptimizerConfig(lr=0.1),
-        loss="classification",
-        timeout=5.0,
-        limits=LIMITS,
+        RuntimeLayout((OWNER, STAGE)),
+        JobOptions(
+            n_micro_batches=2,
+            optimizer=OptimizerConfig(lr=0.1),
+            loss="classification",
+            timeout=5.0,
+            limits=LIMITS,
+        ),
     )
 
 
@@ -282,70 +281,70 @@ def test_a_stage_too_large_for_max_memory_is_refused() -> None:
                     ModelSpec(
                         "digits-cnn", {"channels": 64}, input_shape=(4, 1, 8, 8), input_dtype="float32"
                     ),
-                    None,
-                    [(OWNER, []), (STAGE, [])],
-                    loss="classification",
-                    timeout=5.0,
+                    RuntimeLayout((OWNER, STAGE)),
+                    JobOptions(loss="classification", timeout=5.0),
                 )
             assert not n.service.jobs
 
     asyncio.run(run())
 
 
-_GOOD = {
-    "v": 4,
-    "job": "j1",
-    "spec": {"family": "gpt2", "config": {}, "input_shape": [1, 4], "input_dtype": "int64", "seed": 0},
-    "assignment": [[0, 3], [1, 2]],
-    "n_stages": 2,
-    "stage": 1,
-    "data_stage": 0,
-    "peers": [[OWNER, []], [STAGE, ["/ip4/127.0.0.1/tcp/1"]]],
-    "n_micro_batches": 2,
-    "optimizer": {"name": "sgd", "lr": 0.1},
-    "fingerprint": "gpt2@0123456789abcdef:0123456789abcdef",
-    "ratios": [[1, 4.0]],
-    "in_flight": 2,
-    "engine": "torch",
-    "plan_version": 1,
-    "epoch": 0,
-    "ratio_warmup": [20, 5],
-}
-_WRONG = [None, True, -1, 2**70, 1.5, "x" * 300, [], [[]], {}, {"a": [1]}, "../../etc"]
+_GOOD = JobSetup(
+    job="j1",
+    spec=ModelSpec("gpt2", {}, input_shape=(1, 4)),
+    peers=((OWNER, ()), (STAGE, ("/ip4/127.0.0.1/tcp/1",))),
+    node_ranges=((0, 3), (3, 5)),
+    stage=1,
+    data_stage=0,
+    n_micro_batches=2,
+    optimizer=OptimizerConfig(name="sgd", lr=0.1),
+    fingerprint="gpt2@0123456789abcdef:0123456789abcdef",
+    ratios=((0, 4.0),),
+    in_flight=2,
+    ratio_warmup=RatioWarmup(20, 5),
+).to_body()
+_WRONG = [None, True, -1, 2**64 - 1, 1.5, "x" * 300, [], [[]], {}, {"a": [1]}, "../../etc"]
+# a wrong value that decodes as the field's default: a config map missing every key
+_HARMLESS = {("ratios", "[]")} | {(k, v) for k in ("optimizer", "ratio_warmup") for v in ("{}", "{'a': [1]}")}
+
+
+def _setup(body: dict) -> JobSetup:
+    return JobSetup.from_wire(msgpack.packb(body, use_bin_type=True))
 
 
 @pytest.mark.parametrize("key", sorted(_GOOD))
-def test_every_setup_field_of_a_wrong_type_is_a_config_error(key: str) -> None:
-    assert JobSetup.from_json(json.dumps(_GOOD).encode()).assignment == (0, 0, 0, 1, 1)
+def test_every_setup_field_of_a_wrong_type_is_a_record_error(key: str) -> None:
+    assert _setup(_GOOD).assignment == (0, 0, 0, 1, 1)
     for wrong in _WRONG:
-        body = json.dumps({**_GOOD, key: wrong}).encode()
         try:
-            JobSetup.from_json(body)
-        except ConfigError:
+            _setup({**_GOOD, key: wrong})
+        except RecordError:
             continue
-        assert (key, wrong) in (("ratios", []), ("optimizer", {})), (key, wrong)  # harmless: the defaults
+        assert (key, repr(wrong)) in _HARMLESS, (key, wrong)
 
 
-def test_a_setup_round_trips_and_refuses_another_version() -> None:
-    setup = JobSetup.from_json(json.dumps(_GOOD).encode())
-    assert JobSetup.from_json(setup.to_json()) == setup
+def test_a_setup_round_trips_and_refuses_a_newer_major_version() -> None:
+    setup = _setup(_GOOD)
+    assert JobSetup.from_wire(setup.to_wire()) == setup
     assert (setup.in_flight, setup.ratio_warmup) == (2, RatioWarmup(20, 5))
-    with pytest.raises(ConfigError, match="version 3"):
-        JobSetup.from_json(json.dumps({**_GOOD, "v": 3}).encode())
+    with pytest.raises(RecordError, match=f"major version {JobSetup.VERSION + 1} is newer"):
+        _setup({**_GOOD, "v": JobSetup.VERSION + 1})
 
 
 def test_setup_sizes_are_bounded() -> None:
-    huge = {**_GOOD, "n_stages": 10**9}
-    with pytest.raises(ConfigError, match="n_stages"):
-        JobSetup.from_json(json.dumps(huge).encode())
-    runs = {**_GOOD, "assignment": [[0, 1 << 30]]}
-    with pytest.raises(ConfigError, match="out of range"):
-        JobSetup.from_json(json.dumps(runs).encode())
-    deep = b'{"v": 2, "x": ' + b"[" * 200 + b"]" * 200 + b"}"
-    with pytest.raises(ConfigError, match="levels deep"):
-        JobSetup.from_json(deep)
-    with pytest.raises(ConfigError, match="bytes > limit"):
-        JobSetup.from_json(b" " * (ExecLimits().control_bytes + 1))
+    with pytest.raises(RecordError, match="at most"):
+        _setup({**_GOOD, "peers": [[OWNER, []]] * 2000})
+    with pytest.raises(RecordError, match=r"\[start, end\) pairs"):
+        _setup({**_GOOD, "node_ranges": [[0, 1 << 30], [1 << 30, (1 << 30) + 1]]})
+    with pytest.raises(RecordError, match="to two stages"):
+        _setup({**_GOOD, "node_ranges": [[0, 3], [2, 5]]})
+    deep: list = []
+    for _ in range(100):
+        deep = [deep]
+    with pytest.raises(RecordError, match="levels"):
+        _setup({**_GOOD, "spec": {**_GOOD["spec"], "config": {"x": deep}}})
+    with pytest.raises(RecordError, match="exceeds the limit"):
+        JobSetup.from_wire(b" " * (JobSetup.MAX_BYTES + 1))
 
 
 def test_inbound_budget_holds_back_and_releases() -> None:

@@ -8,8 +8,11 @@ def test_top_level_all() -> None:
         [
             "DEFAULT_SWARM",
             "ConfigError",
+            "DataOwner",
             "ExecLimits",
             "FusionP2PError",
+            "JobOptions",
+            "JobSpec",
             "LimitError",
             "LinkRecord",
             "ModelFamily",
@@ -33,5 +36,6 @@ def test_top_level_all() -> None:
     for name in fusionp2p.__all__:
         assert getattr(fusionp2p, name) is not None
     from fusionp2p.swarm import Swarm
+    from fusionp2p.training.data_owner import DataOwner
 
-    assert fusionp2p.Swarm is Swarm
+    assert fusionp2p.Swarm is Swarm and fusionp2p.DataOwner is DataOwner

@@ -11,9 +11,10 @@ import torch
 from fusionp2p.errors import ConfigError
 from fusionp2p.opdag import families
 from fusionp2p.opdag.families import BUILTIN_FAMILIES, ModelFamily, ModelRegistry, UnknownModelError
-from fusionp2p.opdag.spec import ModelSpec
+from fusionp2p.opdag.spec import build_model, resolve_spec
 from fusionp2p.opdag.split import op_node_names, partition
 from fusionp2p.opdag.trace import trace_spec
+from fusionp2p.records import ModelSpec
 
 GPT2 = ModelSpec("gpt2", {"n_layer": 1, "n_embd": 16, "n_head": 2, "vocab_size": 31}, input_shape=(2, 5))
 
@@ -56,15 +57,15 @@ def test_the_builtin_families_are_served_and_nothing_else() -> None:
 )
 def test_a_config_outside_its_schema_is_refused(config: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        ModelSpec("gpt2", config).resolve()
+        resolve_spec(ModelSpec("gpt2", config))
 
 
 def test_llama_grouped_query_attention_rule() -> None:
     with pytest.raises(ConfigError, match="num_key_value_heads"):
-        ModelSpec("llama", {"num_attention_heads": 4, "num_key_value_heads": 3}).resolve()
-    _, config = ModelSpec(
-        "llama", {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32}
-    ).resolve()
+        resolve_spec(ModelSpec("llama", {"num_attention_heads": 4, "num_key_value_heads": 3}))
+    _, config = resolve_spec(
+        ModelSpec("llama", {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32})
+    )
     assert config["num_key_value_heads"] == 2
 
 
@@ -77,9 +78,8 @@ def test_an_allowed_factory_gets_a_schema_from_its_signature() -> None:
         family.validate({"hidden": 7, "evil": "x"})
     with pytest.raises(ConfigError, match="integer"):
         family.validate({"hidden": 7.5})
-    model = ModelSpec("user_models:SkipNet", {"hidden": 7}, input_shape=(2, 12), input_dtype="float32").build(
-        registry
-    )
+    spec = ModelSpec("user_models:SkipNet", {"hidden": 7}, input_shape=(2, 12), input_dtype="float32")
+    model = build_model(spec, registry)
     assert model.block1[0].out_features == 7
 
 

@@ -3,18 +3,17 @@ stage's optimizer state round trip, and what a re-plan request may ask for."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+import msgpack
 import pytest
 import safetensors.torch
 import torch
 from job_helpers import peer_record
 
 from fusionp2p.config import OptimizerConfig
-from fusionp2p.coordination.protocol import JobRequest
-from fusionp2p.errors import ConfigError, ProtocolError
-from fusionp2p.opdag.spec import ModelSpec
+from fusionp2p.errors import ConfigError, ProtocolError, RecordError
+from fusionp2p.records import JobRequest, ModelSpec
 from fusionp2p.runtime.stage_state import StageState
 from fusionp2p.training.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
 from fusionp2p.training.job_spec import JobSpec
@@ -151,12 +150,13 @@ def test_a_replan_request_names_peers_and_can_only_slow_them_down() -> None:
         "op-fence",
         peer_record(A),
         (),
+        max_ratio=20.0,
         replaces="job-1",
         exclude=(B,),
         speeds=((B, 0.25),),
     )
-    assert JobRequest.from_json(request.to_json(), sender=A) == request
-    body = json.loads(request.to_json())
+    assert JobRequest.from_wire(request.to_wire()) == request
+    body = request.to_body()
     for key, value, match in (
         ("speeds", [[B, 2.0]], "factor in"),
         ("speeds", [[B, 0]], "factor in"),
@@ -164,8 +164,8 @@ def test_a_replan_request_names_peers_and_can_only_slow_them_down() -> None:
         ("exclude", [B] * 300, "at most"),
         ("replaces", "../etc", "not a job name"),
     ):
-        with pytest.raises(ConfigError, match=match):
-            JobRequest.from_json(json.dumps({**body, key: value}).encode(), sender=A)
+        with pytest.raises(RecordError, match=match):
+            JobRequest.from_wire(msgpack.packb({**body, key: value}))
 
 
 def test_fault_settings_come_from_the_job_file_and_are_checked() -> None:

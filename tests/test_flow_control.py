@@ -21,11 +21,12 @@ from fusionp2p.launch import LocalSwarm
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.transport import FrameStream, MemoryTransport
 from fusionp2p.opdag.families import ModelRegistry
-from fusionp2p.opdag.spec import ModelSpec
-from fusionp2p.records import OpData
-from fusionp2p.runtime.codec import CREDIT, EXEC_PROTOCOL
+from fusionp2p.opdag.spec import build_model
+from fusionp2p.planning import RuntimeLayout
+from fusionp2p.records import CREDIT, EXEC_PROTOCOL, ModelSpec, OpData
 from fusionp2p.runtime.driver import PipelineDriver
 from fusionp2p.runtime.executor import Message
+from fusionp2p.runtime.job_setup import JobOptions
 from fusionp2p.runtime.losses import LOSSES
 from fusionp2p.runtime.opdata_stream import INITIAL_CREDIT, OpDataSender
 
@@ -110,19 +111,16 @@ def test_a_stopped_stage_bounds_what_the_data_owner_holds(swarm: LocalSwarm) -> 
     peer = swarm.peers[0]
     clients = Identities(swarm.initial_peers, 1)
     transport = clients.transports[0]
-    model = SPEC.build(LOCAL)
+    model = build_model(SPEC, LOCAL)
     ref = [LOSSES["classification"]([model(x)], y).item() for x, y in _batches()]
 
     async def main() -> tuple[int, int, int, list[float]]:
         driver = await PipelineDriver.create(
             transport,
             SPEC,
-            None,
-            [(transport.peer_id, []), (peer.peer_id, peer.multiaddrs)],
-            n_micro_batches=N_MB,
-            optimizer=OptimizerConfig(),
-            loss="classification",
-            timeout=60,
+            RuntimeLayout((transport.peer_id, peer.peer_id)),
+            JobOptions(n_micro_batches=N_MB, optimizer=OptimizerConfig(), loss="classification", timeout=60),
+            addresses={peer.peer_id: peer.multiaddrs},
             registry=LOCAL,
         )
         try:

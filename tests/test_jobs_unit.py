@@ -6,21 +6,21 @@ import asyncio
 import dataclasses
 import random
 
+import msgpack
 import pytest
 import torch
 from hivemind.utils import get_dht_time
 from job_helpers import peer_record
 
 from fusionp2p.coordination.election import LeaseKeeper, highest_epoch, lease_in_force
-from fusionp2p.coordination.protocol import JobReply, JobRequest
-from fusionp2p.errors import ConfigError
+from fusionp2p.errors import ConfigError, RecordError
 from fusionp2p.opdag.families import ModelRegistry
-from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.opdag.trace import trace_spec
-from fusionp2p.records import LeaseRecord, LinkRecord
+from fusionp2p.planning import compression_policy
+from fusionp2p.records import JobReply, JobRequest, LeaseRecord, LinkRecord, ModelSpec
 from fusionp2p.training.corpus import TextCorpus
 from fusionp2p.training.images import DigitImages
-from fusionp2p.training.job_spec import EXAMPLE_CONFIG, JobSpec, compression_policy
+from fusionp2p.training.job_spec import EXAMPLE_CONFIG, JobSpec
 
 A, B, C = (
     "QmAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA",
@@ -150,24 +150,23 @@ def test_the_digits_are_scaled_labelled_images_in_seeded_batches() -> None:
 def test_a_job_request_speaks_only_for_its_sender() -> None:
     spec = ModelSpec("gpt2", {"n_layer": 1, "n_embd": 8, "n_head": 2, "vocab_size": 256}, input_shape=(1, 8))
     link = LinkRecord(src=A, dst=B, bandwidth_bytes_per_s=1e6, rtt_s=0.01, measured_at=0.0)
-    request = JobRequest("job-1", spec, 2, "none", "op-fence", peer_record(A), (link,))
-    back = JobRequest.from_json(request.to_json(), sender=A)
+    request = JobRequest("job-1", spec, 2, "none", "op-fence", peer_record(A), (link,), max_ratio=20.0)
+    back = JobRequest.from_wire(request.to_wire())
     assert back == request
-    with pytest.raises(ConfigError, match="speak for the peer that sends them"):
-        JobRequest.from_json(request.to_json(), sender=B)
-    bad = request.to_json().replace(b'"op-fence"', b'"random"')
-    with pytest.raises(ConfigError, match="method"):
-        JobRequest.from_json(bad, sender=A)
+    back.check_sender(A)
+    with pytest.raises(RecordError, match="speak for the peer that sends them"):
+        back.check_sender(B)
+    with pytest.raises(RecordError, match="method"):
+        JobRequest.from_wire(msgpack.packb({**request.to_body(), "method": "random"}))
     planned = dataclasses.replace(request, compression="planned", max_ratio=8.0)
-    assert JobRequest.from_json(planned.to_json(), sender=A).max_ratio == 8.0
-    for wrong in (b"0.5", b"1e9", b'"8"', b"true"):
-        body = planned.to_json().replace(b'"max_ratio": 8.0', b'"max_ratio": ' + wrong)
-        with pytest.raises(ConfigError, match="max_ratio"):
-            JobRequest.from_json(body, sender=A)
+    assert JobRequest.from_wire(planned.to_wire()).max_ratio == 8.0
+    for wrong in (0.5, 1e9, "8", True):
+        with pytest.raises(RecordError, match="max_ratio"):
+            JobRequest.from_wire(msgpack.packb({**planned.to_body(), "max_ratio": wrong}))
     policy = compression_policy("planned", 8.0)
     assert (policy.kind, policy.max_ratio) == ("planned", 8.0)
     reply = JobReply("job-1", 3, 2, B, (peer_record(A),), (link,))
-    assert JobReply.from_json(reply.to_json()) == reply
+    assert JobReply.from_wire(reply.to_wire()) == reply
 
 
 @pytest.mark.parametrize(
@@ -197,9 +196,8 @@ def test_more_transformers_families_build_and_trace_the_same_graph_fake(family: 
 
 
 def test_a_bare_baseline_plans_with_the_jobs_compression() -> None:
-    from fusionp2p.data_owner import plan_job
     from fusionp2p.opdag import TransformerShape, transformer_dag
-    from fusionp2p.planning import CostConfig, Topology, synthetic_swarm
+    from fusionp2p.planning import CostConfig, Topology, plan_job, synthetic_swarm
 
     job = JobSpec.from_toml(
         "[train]\ncompression = 'uniform'\nmax_ratio = 16\nplan_method = 'equal-number'\n"

@@ -6,7 +6,8 @@ import transformers
 from tiny_models import tiny_llama_config
 
 from fusionp2p.opdag import TransformerShape, transformer_dag
-from fusionp2p.opdag.trace import CausalLMWrapper, coarsen, trace_module
+from fusionp2p.opdag.lm_families import CausalLMWrapper
+from fusionp2p.opdag.trace import coarsen, trace_module
 
 B, T = 2, 16
 

@@ -1,7 +1,8 @@
 """One Plan drives the runtime: OP-Fence and baseline plans train exactly over peer processes.
 
-``swarm.plan(spec)`` measures this process (the data owner) and its links, runs the planner
-on the live records, and ``swarm.pipeline(spec, plan=plan)`` runs what it planned: the
+``owner.plan(spec)`` (``owner = swarm.data_owner()``) measures this process (the data owner)
+and its links, runs the planner on the live records, and ``owner.pipeline(spec, plan=plan)``
+runs what it planned: the
 losses, gradients and parameters after two AdamW steps equal the monolithic model's. The
 runtime's OpData carry the plan's version; another version is refused.
 """
@@ -22,9 +23,11 @@ from fusionp2p.config import OptimizerConfig
 from fusionp2p.errors import ConfigError, ProtocolError
 from fusionp2p.launch import LocalSwarm
 from fusionp2p.opdag.families import ModelRegistry
-from fusionp2p.opdag.spec import ModelSpec
+from fusionp2p.opdag.spec import build_model
 from fusionp2p.planning import Plan
+from fusionp2p.records import ModelSpec
 from fusionp2p.runtime.codec import ExecClient
+from fusionp2p.runtime.job_setup import JobOptions
 from fusionp2p.runtime.losses import LOSSES
 from fusionp2p.swarm import Swarm
 
@@ -47,6 +50,10 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
         yield client
 
 
+def _options(plan: Plan) -> JobOptions:
+    return JobOptions(n_micro_batches=plan.n_micro_batches, optimizer=OPT)
+
+
 def _wait_for_peers(client: Swarm, local: LocalSwarm) -> None:
     for _ in range(60):
         if len(client.peers()) == len(local.peers):
@@ -66,11 +73,12 @@ def _batches(spec: ModelSpec, iteration: int) -> list[tuple[torch.Tensor, torch.
 
 
 def _exact(client: Swarm, spec: ModelSpec, plan: Plan, loss: str) -> None:
-    model = spec.build(LOCAL)
+    model = build_model(spec, LOCAL)
     opt = torch.optim.AdamW(
         model.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps, weight_decay=OPT.weight_decay
     )
-    with client.pipeline(spec, plan=plan, optimizer=OPT, loss=loss, registry=LOCAL) as pipe:
+    options = JobOptions(n_micro_batches=plan.n_micro_batches, optimizer=OPT, loss=loss)
+    with client.data_owner().pipeline(spec, plan=plan, options=options, registry=LOCAL) as pipe:
         assert pipe.plan is plan and pipe.partition.n_stages == 1 + len(set(plan.peer_ids))
         for it in range(2):
             opt.zero_grad()
@@ -92,7 +100,7 @@ def _exact(client: Swarm, spec: ModelSpec, plan: Plan, loss: str) -> None:
 
 @pytest.mark.parametrize("method", ["op-fence", "equal-number/none", "equal-computation/none"])
 def test_a_plan_trains_exactly(swarm: Swarm, method: str) -> None:
-    plan = swarm.plan(GPT2, method=method, n_micro_batches=N_MB)
+    plan = swarm.data_owner().plan(GPT2, method=method, n_micro_batches=N_MB)
     assert plan.dag.startswith("gpt2@") and plan.n_micro_batches == N_MB
     assert math.isfinite(plan.iteration_s) and plan.method.startswith(method.split("/")[0])
     assert swarm.peers() and set(plan.peer_ids) <= {p.peer_id for p in swarm.peers()}  # never this process
@@ -102,7 +110,7 @@ def test_a_plan_trains_exactly(swarm: Swarm, method: str) -> None:
 
 
 def test_a_user_model_trains_exactly_on_the_default_plan(swarm: Swarm) -> None:
-    plan = swarm.plan(SKIPNET, n_micro_batches=N_MB, registry=LOCAL)
+    plan = swarm.data_owner().plan(SKIPNET, n_micro_batches=N_MB, registry=LOCAL)
     _exact(swarm, SKIPNET, plan, "classification")
 
 
@@ -113,14 +121,15 @@ def test_a_resnet_trains_exactly_on_the_default_plan(swarm: Swarm) -> None:
         input_shape=(4, 3, 32, 32),
         input_dtype="float32",
     )
-    plan = swarm.plan(spec, n_micro_batches=N_MB)
+    plan = swarm.data_owner().plan(spec, n_micro_batches=N_MB)
     _exact(swarm, spec, plan, "classification")
 
 
 def test_the_pipeline_estimate_counts_what_runs(swarm: Swarm) -> None:
-    topology = swarm.topology()
-    plan = swarm.plan(GPT2, method="equal-number/none", n_micro_batches=N_MB, topology=topology)
-    with swarm.pipeline(GPT2, plan=plan, optimizer=OPT) as pipe:
+    owner = swarm.data_owner()
+    topology = owner.topology()
+    plan = owner.plan(GPT2, method="equal-number/none", n_micro_batches=N_MB, topology=topology)
+    with owner.pipeline(GPT2, plan=plan, options=_options(plan)) as pipe:
         est = pipe.estimate(topology)
         ops = sum(1 for seg in pipe.partition.segments if seg.kind == "ops")
         assert len(est.compute_s) == ops  # one estimated stage per segment, the data owner's included
@@ -128,19 +137,21 @@ def test_the_pipeline_estimate_counts_what_runs(swarm: Swarm) -> None:
 
 
 def test_a_plan_of_another_model_or_size_is_refused(swarm: Swarm) -> None:
-    plan = swarm.plan(GPT2, method="equal-number/none", n_micro_batches=N_MB)
+    owner = swarm.data_owner()
+    plan = owner.plan(GPT2, method="equal-number/none", n_micro_batches=N_MB)
     other = dataclasses.replace(GPT2, config={**GPT2.config, "n_layer": 2})
     with pytest.raises(ConfigError, match="the plan splits OP-DAG"):
-        swarm.pipeline(other, plan=plan)
+        owner.pipeline(other, plan=plan)
     with pytest.raises(ConfigError, match="micro-batches"):
-        swarm.pipeline(GPT2, plan=plan, n_micro_batches=N_MB + 1)
+        owner.pipeline(GPT2, plan=plan, options=JobOptions(n_micro_batches=N_MB + 1))
     with pytest.raises(ConfigError, match="plan method"):
-        swarm.plan(GPT2, method="random")
+        owner.plan(GPT2, method="random")
 
 
 def test_opdata_of_another_plan_version_is_dropped(swarm: Swarm) -> None:
-    plan = dataclasses.replace(swarm.plan(GPT2, method="equal-number/none", n_micro_batches=N_MB), version=7)
-    with swarm.pipeline(GPT2, plan=plan, optimizer=OPT) as pipe:
+    owner = swarm.data_owner()
+    plan = dataclasses.replace(owner.plan(GPT2, method="equal-number/none", n_micro_batches=N_MB), version=7)
+    with owner.pipeline(GPT2, plan=plan, options=_options(plan)) as pipe:
         assert all(setup.plan_version == 7 for setup in pipe.driver.setups)
         stale = dataclasses.replace(first_forward(pipe.partition, pipe.driver.job), plan_version=6)
         peer = pipe.driver.setups[0].peers[1][0]
@@ -166,9 +177,10 @@ def test_opdata_of_another_plan_version_is_dropped(swarm: Swarm) -> None:
 
 def test_each_stage_holds_the_micro_batches_its_plan_counted(swarm: Swarm) -> None:
     n_b = 6  # more than the stages, so 1F1B's per-stage depths differ from the window
-    plan = swarm.plan(GPT2, method="equal-number/none", n_micro_batches=n_b)
+    owner = swarm.data_owner()
+    plan = owner.plan(GPT2, method="equal-number/none", n_micro_batches=n_b)
     assert len(set(plan.peer_ids)) == 3
-    with swarm.pipeline(GPT2, plan=plan, optimizer=OPT) as pipe:
+    with owner.pipeline(GPT2, plan=plan, options=_options(plan)) as pipe:
         held = [setup.in_flight for setup in pipe.driver.setups]
         assert held == [4, 3, 2, 1]  # the data owner's window, then min(n_b, S - k) per plan stage
         peaks = []

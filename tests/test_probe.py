@@ -6,9 +6,9 @@ import pytest
 from fusionp2p.config import ProbeConfig
 from fusionp2p.errors import PeerUnreachableError, ProtocolError
 from fusionp2p.net.framing import FrameKind
-from fusionp2p.net.probe import NEAR_LINKS, PROBE_PROTOCOL, LinkEstimator, LinkSample, probe_link, serve_probe
+from fusionp2p.net.probe import NEAR_LINKS, LinkEstimator, LinkSample, probe_link, serve_probe
 from fusionp2p.net.transport import MemoryTransport, RateLimitedTransport
-from fusionp2p.records import MAX_LINKS_PER_PEER
+from fusionp2p.records import MAX_LINKS_PER_PEER, PROBE_PROTOCOL
 
 
 def _serve(transport: MemoryTransport, max_bytes: int, errors: list) -> None:

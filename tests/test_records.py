@@ -4,14 +4,27 @@ from dataclasses import replace
 import msgpack
 import pytest
 
+from fusionp2p.config import OptimizerConfig, RatioWarmup
 from fusionp2p.errors import RecordError
 from fusionp2p.records import (
     LINKS_PER_SET,
     MAX_LINKS_PER_PEER,
     MAX_RECORD_BYTES,
+    RECORD_KINDS,
+    ExecControl,
+    JobReply,
+    JobRequest,
+    JobSetup,
+    LeaseRecord,
     LinkRecord,
     LinkSetRecord,
+    ModelSpec,
+    OpData,
     PeerRecord,
+    PlanStageRecord,
+    RunStatusRecord,
+    TopKHeader,
+    WireRecord,
     decode_record,
 )
 
@@ -132,3 +145,84 @@ def test_links_travel_the_dht_in_signed_sets_of_sixteen() -> None:
         replace(sets[0], rtt_s=sets[0].rtt_s[:3])
     with pytest.raises(RecordError, match="part"):
         replace(sets[0], part=4)
+
+
+# -- every wire message ----------------------------------------------------------------------
+
+A, B = "Qm" + "a" * 44, "Qm" + "b" * 44
+_LINK = LinkRecord(src=A, dst=B, bandwidth_bytes_per_s=1.25e7, rtt_s=0.02, measured_at=5.0, samples=3)
+_SPEC = ModelSpec("gpt2", {"n_layer": 2, "n_embd": 8, "n_head": 2, "activation_function": "gelu"}, (2, 8))
+
+
+def _examples() -> list[WireRecord]:
+    """One valid record of every kind a peer sends or stores."""
+    peer = make_peer(peer_id=A, site="eu-1", topk_codec_s={"send_element_s": 1e-9})
+    topk = TopKHeader((4, 8), "float32", "float16", "delta16", 32, 4, 8, 8.0, base=3)
+    return [
+        peer,
+        _LINK,
+        LinkSetRecord.pack([_LINK])[0],
+        LeaseRecord(holder=A, epoch=3, granted_at=1.0, valid_until=16.0, maddrs=("/ip4/127.0.0.1/tcp/1",)),
+        RunStatusRecord("run-1", A, "run-1-p2", 5, 10, 2.5, 2, 3, 1, ("planned: v2",), 7.0),
+        PlanStageRecord("job-1", 3, 0, 2, B, "gpt2@abc", (0, 5, 9, 12), {"1": 4.0}, 4, 0.5, A, 9.0, A),
+        _SPEC,
+        topk,
+        OpData("job-1", "forward", "add_3", ("mul_4",), True, 2, 1, (4, 8), "float32", 30, topk.to_wire()),
+        ExecControl("fetch", "job-1", iteration=2, what="state"),
+        JobSetup(
+            job="job-1",
+            spec=_SPEC,
+            peers=((A, ()), (B, ("/ip4/127.0.0.1/tcp/2/p2p/" + B,))),
+            node_ranges=((0, 3, 7, 9), (3, 7)),
+            stage=1,
+            data_stage=0,
+            n_micro_batches=4,
+            optimizer=OptimizerConfig(name="sgd", lr=0.1, momentum=0.9),
+            fingerprint="gpt2@0123456789abcdef:0123456789abcdef",
+            ratios=((0, 8.0),),
+            in_flight=2,
+            plan_version=3,
+            epoch=3,
+            ratio_warmup=RatioWarmup(100, 7),
+        ),
+        JobRequest(
+            "job-1-p2", _SPEC, 4, "planned", "op-fence", peer, (_LINK,), 20.0, "job-1", (B,), ((B, 0.5),)
+        ),
+        JobReply("job-1", 3, 2, B, (peer,), (_LINK,), unread=("fusionp2p.peers.3",)),
+    ]
+
+
+def test_every_record_kind_has_an_example_and_a_kind_of_its_own() -> None:
+    def subclasses(cls: type) -> set[type]:
+        return {c for sub in cls.__subclasses__() for c in (sub, *subclasses(sub))}
+
+    assert {type(r) for r in _examples()} == subclasses(WireRecord) == set(RECORD_KINDS.values())
+
+
+@pytest.mark.parametrize("record", _examples(), ids=lambda r: r.KIND)
+def test_every_wire_message_round_trips(record: WireRecord) -> None:
+    wire = record.to_wire()
+    assert type(record).from_wire(wire) == record
+    assert decode_record(wire, limit=type(record).MAX_BYTES) == record
+    assert len(wire) <= type(record).MAX_BYTES
+
+
+@pytest.mark.parametrize("record", _examples(), ids=lambda r: r.KIND)
+def test_a_newer_major_version_is_refused_with_one_line(record: WireRecord) -> None:
+    body = msgpack.unpackb(record.to_wire())
+    body["v"] = type(record).VERSION + 1
+    with pytest.raises(RecordError) as refused:
+        type(record).from_wire(msgpack.packb(body))
+    assert "newer" in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("record", _examples(), ids=lambda r: r.KIND)
+def test_the_next_minor_version_an_extra_optional_field_is_read_by_this_one(record: WireRecord) -> None:
+    body = msgpack.unpackb(record.to_wire())
+    body["added_in_the_next_minor_version"] = {"a": [1, "two", 3.0], "b": None}
+    for value in body.values():  # the same in every record nested inside it
+        nested = value if isinstance(value, list) else [value]
+        for item in nested:
+            if isinstance(item, dict) and "kind" in item:
+                item["added_in_the_next_minor_version"] = 1
+    assert type(record).from_wire(msgpack.packb(body)) == record

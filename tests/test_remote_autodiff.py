@@ -23,11 +23,13 @@ from fusionp2p.launch import LocalSwarm
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.transport import P2PTransport
 from fusionp2p.opdag.families import ModelRegistry
-from fusionp2p.opdag.spec import ModelSpec
+from fusionp2p.opdag.spec import build_model
 from fusionp2p.opdag.split import op_node_names
-from fusionp2p.opdag.trace import trace_module
-from fusionp2p.runtime.codec import EXEC_PROTOCOL, pack_message
+from fusionp2p.opdag.trace import trace_spec
+from fusionp2p.planning import RuntimeLayout
+from fusionp2p.records import EXEC_PROTOCOL, ModelSpec, pack_message
 from fusionp2p.runtime.driver import PipelineDriver
+from fusionp2p.runtime.job_setup import JobOptions
 from fusionp2p.runtime.losses import LOSSES
 
 N_MB, BATCH, SEQ = 3, 2, 8
@@ -77,7 +79,7 @@ def owner(swarm: LocalSwarm) -> Iterator[tuple[asyncio.AbstractEventLoop, P2PTra
 
 def _assignment(spec: ModelSpec, n_stages: int, layout: str) -> list[int]:
     """A stage per operator node: contiguous thirds, cuts inside blocks, or blocks round-robin."""
-    traced = trace_module(spec.build(LOCAL), [spec.example_input()], strip_prefix=spec.strip_prefix)
+    traced = trace_spec(spec, LOCAL)
     ops = op_node_names(traced.program.graph)
     n = len(ops)
     if layout == "contiguous":
@@ -100,7 +102,7 @@ def _batches(spec: ModelSpec, iteration: int) -> list[tuple[torch.Tensor, torch.
 
 def _reference(spec: ModelSpec, loss: str, iterations: int):
     """Losses, gradients and final parameters of the monolithic model, same data, same AdamW."""
-    model = spec.build(LOCAL)
+    model = build_model(spec, LOCAL)
     opt = torch.optim.AdamW(
         model.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps, weight_decay=OPT.weight_decay
     )
@@ -128,19 +130,19 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = 1e-7)
 
 def _run(owner, swarm: LocalSwarm, spec: ModelSpec, n_stages: int, layout: str, loss: str) -> PipelineDriver:
     loop, transport = owner
-    peers = [(transport.peer_id, [])] + [(p.peer_id, p.multiaddrs) for p in swarm.peers[: n_stages - 1]]
+    stages = swarm.peers[: n_stages - 1]
+    runtime = RuntimeLayout(
+        (transport.peer_id, *(p.peer_id for p in stages)), _assignment(spec, n_stages, layout)
+    )
     ref_losses, ref_grads, ref_params, n_params = _reference(spec, loss, iterations=2)
 
     async def main() -> PipelineDriver:
         driver = await PipelineDriver.create(
             transport,
             spec,
-            _assignment(spec, n_stages, layout),
-            peers,
-            n_micro_batches=N_MB,
-            optimizer=OPT,
-            loss=loss,
-            timeout=60,
+            runtime,
+            JobOptions(n_micro_batches=N_MB, optimizer=OPT, loss=loss, timeout=60),
+            addresses={p.peer_id: p.multiaddrs for p in stages},
         )
         try:
             for it in range(2):
@@ -208,12 +210,9 @@ async def _two_stage_classifier(transport, spec: ModelSpec, peer, ratios=None) -
     return await PipelineDriver.create(
         transport,
         spec,
-        _assignment(spec, 2, "contiguous"),
-        [(transport.peer_id, []), (peer.peer_id, peer.multiaddrs)],
-        n_micro_batches=N_MB,
-        optimizer=OPT,
-        loss="classification",
-        ratios=ratios,
+        RuntimeLayout((transport.peer_id, peer.peer_id), _assignment(spec, 2, "contiguous"), ratios or {}),
+        JobOptions(n_micro_batches=N_MB, optimizer=OPT, loss="classification"),
+        addresses={peer.peer_id: peer.multiaddrs},
     )
 
 
@@ -287,7 +286,7 @@ def test_topk_between_peer_processes_is_the_exact_gradient_of_the_compressed_mod
     batches = [(torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(N_MB)]
 
     async def main():
-        driver = await _two_stage_classifier(transport, spec, peer, ratios={0: 8.0, 1: 8.0})
+        driver = await _two_stage_classifier(transport, spec, peer, ratios={(1, 0): 8.0, (0, 1): 8.0})
         try:
             losses = await driver.run_iteration(batches)
             return driver, losses, await driver.fetch("grads")

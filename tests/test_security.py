@@ -31,12 +31,13 @@ from fusionp2p.launch import LocalSwarm, PeerProcess
 from fusionp2p.net.directory import SwarmDirectory
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.identity import load_signing_key
-from fusionp2p.net.probe import PROBE_PROTOCOL
 from fusionp2p.opdag.families import ModelRegistry
-from fusionp2p.opdag.spec import ModelSpec
-from fusionp2p.records import ExecControl
-from fusionp2p.runtime.codec import EXEC_PROTOCOL, ExecClient
+from fusionp2p.opdag.spec import build_model
+from fusionp2p.planning import RuntimeLayout
+from fusionp2p.records import EXEC_PROTOCOL, PROBE_PROTOCOL, ExecControl, ModelSpec
+from fusionp2p.runtime.codec import ExecClient
 from fusionp2p.runtime.driver import PipelineDriver
+from fusionp2p.runtime.job_setup import JobOptions
 from fusionp2p.runtime.losses import LOSSES
 from fusionp2p.swarm import Swarm
 
@@ -75,7 +76,7 @@ def _batches(iteration: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _reference(iterations: int) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
-    model = SKIPNET.build(LOCAL)
+    model = build_model(SKIPNET, LOCAL)
     assert isinstance(model, SkipNet)
     opt = torch.optim.AdamW(
         model.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps, weight_decay=OPT.weight_decay
@@ -93,18 +94,16 @@ def _reference(iterations: int) -> tuple[list[list[float]], dict[str, torch.Tens
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-async def _job(net: Net, peer: PeerProcess, spec: ModelSpec = SKIPNET, **kw) -> PipelineDriver:
+async def _job(
+    net: Net, peer: PeerProcess, spec: ModelSpec = SKIPNET, loss: str = "classification"
+) -> PipelineDriver:
     return await PipelineDriver.create(
         net.owner,
         spec,
-        None,
-        [(net.owner.peer_id, []), (peer.peer_id, peer.multiaddrs)],
-        n_micro_batches=N_MB,
-        optimizer=OPT,
-        loss=kw.pop("loss", "classification"),
+        RuntimeLayout((net.owner.peer_id, peer.peer_id)),
+        JobOptions(n_micro_batches=N_MB, optimizer=OPT, loss=loss, timeout=60),
+        addresses={peer.peer_id: peer.multiaddrs},
         registry=LOCAL,
-        timeout=60,
-        **kw,
     )
 
 
@@ -216,7 +215,7 @@ def test_a_model_over_max_memory_is_refused_before_allocation(net: Net, swarm: L
 
     # what a data owner would send for the huge model (traced fake here too: 7.6 GiB never exist)
     peers = [(net.owner.peer_id, []), (peer.peer_id, peer.multiaddrs)]
-    body = fake_setups(huge, peers, job="huge", n_micro_batches=2)[1].to_json()
+    body = fake_setups(huge, peers, job="huge", n_micro_batches=2)[1].to_wire()
 
     async def setup_huge() -> str:
         client = ExecClient(net.owner, peer.peer_id, timeout=60)

@@ -9,19 +9,19 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import msgpack
 import pytest
 import torch
 from masked_reference import masked_reference
 from user_models import SkipNet
 
-from fusionp2p.compression import RatioWarmup
-from fusionp2p.config import OptimizerConfig
+from fusionp2p.config import OptimizerConfig, RatioWarmup
 from fusionp2p.errors import ConfigError, ProtocolError, RecordError
 from fusionp2p.opdag.families import ModelRegistry, UnknownModelError
-from fusionp2p.opdag.spec import ModelSpec
+from fusionp2p.opdag.spec import build_model, example_input
 from fusionp2p.opdag.split import LOSS, op_node_names, partition
 from fusionp2p.opdag.trace import trace_module
-from fusionp2p.records import OpData, TopKHeader
+from fusionp2p.records import ModelSpec, OpData, TopKHeader
 from fusionp2p.runtime.losses import LOSSES
 from fusionp2p.runtime.tensor_wire import decode_body, encode_body
 from fusionp2p.runtime.torch_executor import TorchExecutor
@@ -35,7 +35,7 @@ LOCAL = ModelRegistry(allow=["user_models:SkipNet"])  # this test process's own 
 
 @pytest.fixture(scope="module")
 def gpt2():
-    return trace_module(GPT2.build(), [GPT2.example_input()], strip_prefix=GPT2.strip_prefix)
+    return trace_module(build_model(GPT2), [example_input(GPT2)], strip_prefix="model.")
 
 
 def _run_inprocess(
@@ -71,7 +71,7 @@ def _run_inprocess(
 
 
 def _reference(spec: ModelSpec, loss: str, batches):
-    model = spec.build(LOCAL)
+    model = build_model(spec, LOCAL)
     losses = []
     for x, y in batches:
         value = LOSSES[loss]([model(x)], y)
@@ -145,8 +145,8 @@ def test_bad_assignments_are_rejected(gpt2) -> None:
 
 def test_user_model_with_skip_connection_splits_exactly() -> None:
     spec = ModelSpec("user_models:SkipNet", {}, input_shape=(4, 12), input_dtype="float32")
-    assert isinstance(spec.build(LOCAL), SkipNet)
-    traced = trace_module(spec.build(LOCAL), [spec.example_input()])
+    assert isinstance(build_model(spec, LOCAL), SkipNet)
+    traced = trace_module(build_model(spec, LOCAL), [example_input(spec)])
     ops = op_node_names(traced.program.graph)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(4, 12, generator=g), torch.randint(0, 5, (4,), generator=g)) for _ in range(3)]
@@ -261,17 +261,20 @@ def test_tensor_bodies_round_trip_dense_and_topk() -> None:
 
 
 def test_model_spec_json_is_validated() -> None:
-    assert ModelSpec.from_json(GPT2.to_json()) == GPT2
-    for text in ("[]", "{", '{"family": "gpt2"}', '{"family": "gpt2", "input_shape": [0]}'):
-        with pytest.raises(ConfigError):
-            ModelSpec.from_json(text)
+    assert ModelSpec.from_wire(GPT2.to_wire()) == GPT2
+    base = {"kind": "model_spec", "v": 1, "family": "gpt2"}
+    for body in ([], {**base, "family": 3}, {**base, "input_shape": [0]}, {**base, "input_dtype": "complex"}):
+        with pytest.raises(RecordError):
+            ModelSpec.from_wire(msgpack.packb(body))
+    with pytest.raises(RecordError):
+        ModelSpec.from_wire(b"{")
     with pytest.raises(UnknownModelError, match="no-such-model"):
-        ModelSpec("no-such-model").build()
+        build_model(ModelSpec("no-such-model"))
     with pytest.raises(UnknownModelError, match="--allow-model no_such_module:Thing"):
-        ModelSpec("no_such_module:Thing").build()  # an import path is never imported unless allowed
+        build_model(ModelSpec("no_such_module:Thing"))  # an import path is never imported unless allowed
     with pytest.raises(ConfigError, match="cannot import"):
         ModelRegistry(allow=["no_such_module:Thing"])
-    a, b = GPT2.build(), GPT2.build()
+    a, b = build_model(GPT2), build_model(GPT2)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
@@ -279,7 +282,7 @@ def test_topk_on_the_wire_gives_the_exact_gradient_of_the_compressed_forward() -
     """With Top-K between stages, the split model computes exactly the gradient of the model
     whose cut tensors are Top-K-masked; gradients go back at the forward's positions."""
     spec = ModelSpec("user_models:SkipNet", {"hidden": 64}, input_shape=(8, 12), input_dtype="float32")
-    traced = trace_module(spec.build(LOCAL), [spec.example_input()])
+    traced = trace_module(build_model(spec, LOCAL), [example_input(spec)])
     ops = op_node_names(traced.program.graph)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(2)]
@@ -303,7 +306,7 @@ def test_topk_on_the_wire_gives_the_exact_gradient_of_the_compressed_forward() -
 
 def test_ratio_warmup_starts_dense_and_grows_to_the_plan_s_ratios() -> None:
     spec = ModelSpec("user_models:SkipNet", {"hidden": 64}, input_shape=(8, 12), input_dtype="float32")
-    traced = trace_module(spec.build(LOCAL), [spec.example_input()])
+    traced = trace_module(build_model(spec, LOCAL), [example_input(spec)])
     ops = op_node_names(traced.program.graph)
     assignment = [i * 2 // len(ops) for i in range(len(ops))]
     part = partition(traced.program, assignment, 2)

@@ -8,9 +8,9 @@ with Top-K between stages (the selection then runs in ``fusionp2p.kernels``).
 import pytest
 import torch
 
-from fusionp2p.opdag.spec import ModelSpec
 from fusionp2p.opdag.split import op_node_names, partition
 from fusionp2p.opdag.trace import trace_spec
+from fusionp2p.records import ModelSpec
 from fusionp2p.runtime.losses import LOSSES
 from fusionp2p.runtime.torch_executor import TorchExecutor
 

@@ -9,11 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.testbed.topology import TestbedTopology
-from fusionp2p.data_owner import plan_job
 from fusionp2p.opdag.trace import trace_spec
-from fusionp2p.planning import CostConfig, Topology
+from fusionp2p.planning import CostConfig, Topology, compression_policy, plan_job
 from fusionp2p.records import LinkRecord, PeerRecord
-from fusionp2p.training.job_spec import JobSpec, compression_policy
+from fusionp2p.training.job_spec import JobSpec
 
 __all__ = [
     "MODELS",

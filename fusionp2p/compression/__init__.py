@@ -6,12 +6,13 @@
   and its strict decoder; ``encode_at``/``decode_at`` send an activation's gradient at the
   forward's kept indices (the exact gradient of the compressed forward, no index bytes).
 - ``feedback.py``: error feedback per link and tensor, bounded; a link's compressor.
-- ``warmup.py``: ratios that grow from dense to the plan's over a job's first steps.
+
+(Ratio warm-up, a job setting, is ``config.RatioWarmup``.) The layers and how they fit:
+``docs/architecture.md``.
 """
 
 from fusionp2p.compression.feedback import ErrorFeedback, LinkCompressor
 from fusionp2p.compression.topk import k_for_ratio, topk_fast, topk_indices, topk_reference, topk_rows
-from fusionp2p.compression.warmup import NO_WARMUP, RatioWarmup
 from fusionp2p.compression.wire import (
     Encoded,
     PayloadError,
@@ -23,12 +24,10 @@ from fusionp2p.compression.wire import (
 )
 
 __all__ = [
-    "NO_WARMUP",
     "Encoded",
     "ErrorFeedback",
     "LinkCompressor",
     "PayloadError",
-    "RatioWarmup",
     "decode",
     "decode_at",
     "encode",

@@ -18,7 +18,7 @@ import torch
 
 from fusionp2p.compression.topk import k_for_ratio, topk_indices, topk_rows
 from fusionp2p.errors import ProtocolError
-from fusionp2p.records import TopKHeader
+from fusionp2p.records import TOPK_VALUE_DTYPES, WIRE_DTYPES, TopKHeader
 
 __all__ = [
     "DTYPES",
@@ -32,7 +32,7 @@ __all__ = [
     "paper_bytes",
 ]
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {name: getattr(torch, name) for name in TOPK_VALUE_DTYPES}  # the torch dtype of each name
 _NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_NUMEL = (1 << 31) - 1
 
@@ -95,7 +95,7 @@ def encode(
     if numel > _MAX_NUMEL:
         raise ValueError(f"tensor of {numel} elements is too large for one message")
     vdt = DTYPES[value_dtype]
-    itemsize = torch.empty((), dtype=vdt).element_size()
+    itemsize = WIRE_DTYPES[value_dtype]
     if numel and ratio > 1:
         width = tensor.shape[-1] if tensor.dim() >= 2 else 0
         if rows and width >= 4 * ratio:
@@ -170,7 +170,7 @@ def decode_at(
     """
     if header.index_format != "shared" or header.index_bytes:
         raise PayloadError(f"expected a shared-index payload, got {header.index_format}")
-    itemsize = torch.empty((), dtype=DTYPES[header.value_dtype]).element_size()
+    itemsize = WIRE_DTYPES[header.value_dtype]
     if header.k != len(indices) or len(body) != header.k * itemsize:
         raise PayloadError(
             f"shared payload of k={header.k} and {len(body)} bytes for {len(indices)} forward indices"
@@ -239,7 +239,7 @@ def decode_with_indices(
         raise PayloadError(f"payload claims {header.numel} elements > limit {max_numel}")
     if header.index_format == "shared":
         raise PayloadError("a shared-index payload needs the forward's indices (decode_at)")
-    itemsize = torch.empty((), dtype=DTYPES[header.value_dtype]).element_size()
+    itemsize = WIRE_DTYPES[header.value_dtype]
     expected_index = {
         "dense": 0,
         "int32": 4 * header.k,

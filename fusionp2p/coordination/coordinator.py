@@ -15,32 +15,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import replace
+import time
+from dataclasses import dataclass, replace
 
 from hivemind.utils import get_dht_time
 
+from fusionp2p.config import DEFAULT_TIMEOUTS
 from fusionp2p.coordination.election import LeaseKeeper
-from fusionp2p.coordination.protocol import (
-    COORD_PROTOCOL,
-    MAX_REQUEST_BYTES,
-    MAX_UNREAD,
-    JobReply,
-    JobRequest,
-)
-from fusionp2p.data_owner import plan_job
-from fusionp2p.errors import ConfigError, FusionP2PError, LimitError, ProtocolError, RecordError
+from fusionp2p.errors import ConfigError, FusionP2PError, LimitError, ProtocolError
 from fusionp2p.net.directory import SwarmDirectory, Unread
-from fusionp2p.net.directory_view import DirectoryView
+from fusionp2p.net.directory_view import DirectoryView, ViewState
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.limits import StreamGate
 from fusionp2p.net.transport import FrameStream, Transport
 from fusionp2p.opdag.families import ModelRegistry
+from fusionp2p.opdag.ir import OpDag
 from fusionp2p.opdag.trace import trace_spec
-from fusionp2p.planning import CostConfig, PlanningError, Topology
+from fusionp2p.planning import CostConfig, Plan, PlanningError, Topology, compression_policy, plan_job
 from fusionp2p.planning.fit import explain_no_fit
 from fusionp2p.planning.topology import connected_to
-from fusionp2p.records import PeerRecord
-from fusionp2p.training.job_spec import compression_policy
+from fusionp2p.records import COORD_PROTOCOL, LinkRecord, PeerRecord
+from fusionp2p.records.coordinator import MAX_UNREAD, JobReply, JobRequest
 
 __all__ = ["Coordinator"]
 
@@ -60,6 +55,16 @@ def _scaled(peer: PeerRecord, speeds: dict[str, float]) -> PeerRecord:
     if factor is None:
         return peer
     return replace(peer, flops={k: v * factor for k, v in peer.flops.items()})
+
+
+@dataclass(frozen=True)
+class _Candidates:
+    """What a job is planned over: the idle peers it may use, and the swarm they sit in."""
+
+    idle: list[PeerRecord]  # fastest first, speeds scaled as the request asks
+    everyone: dict[str, PeerRecord]  # every reachable live peer, the idle ones, the data owner
+    measured: list[LinkRecord]  # every link known, the data owner's included
+    reached: set[str]  # peers some measured link connects to the data owner
 
 
 class Coordinator:
@@ -111,18 +116,19 @@ class Coordinator:
                 logger.warning("refreshing the coordinator's view failed, will retry: %s", e)
 
     async def _serve(self, stream: FrameStream) -> None:
-        kind, body = await stream.recv(max_payload=MAX_REQUEST_BYTES, timeout=self.timeout)
+        kind, body = await stream.recv(max_payload=JobRequest.MAX_BYTES, timeout=self.timeout)
         if kind is not FrameKind.DATA:
             raise ProtocolError(f"a job request is one DATA frame, got {kind.name}")
         try:
-            request = JobRequest.from_json(body, sender=stream.remote)
+            request = JobRequest.from_wire(body)
+            request.check_sender(stream.remote)
             reply = await self.submit(request)
-        except (ConfigError, PlanningError, LimitError, RecordError) as e:
+        except (FusionP2PError, PlanningError) as e:
             logger.info("refused job from %s: %s", stream.remote[-8:], e)
             await stream.send(FrameKind.ERROR, str(e).encode()[:2000], timeout=self.timeout)
-            await stream.finish(timeout=1.0)
+            await stream.finish(timeout=DEFAULT_TIMEOUTS.courtesy)
             return
-        await stream.send(FrameKind.DATA, reply.to_json(), timeout=self.timeout)
+        await stream.send(FrameKind.DATA, reply.to_wire(), timeout=self.timeout)
 
     def _not_coordinator(self) -> str:
         return f"peer {self.transport.peer_id[-8:]} does not hold the coordinator lease; ask the lease holder"
@@ -155,10 +161,10 @@ class Coordinator:
             raise ConfigError(f"job {request.replaces} has no published plan with this data owner")
         return request.replaces
 
-    async def _plan(self, request: JobRequest) -> JobReply:
+    async def _candidates(self, request: JobRequest, unread: Unread) -> tuple[_Candidates, ViewState]:
+        """The idle peers ``request`` may be planned on: live, measured from the data owner's
+        side, not excluded, and idle (or in the very job a re-plan replaces)."""
         owner = request.owner.peer_id
-        traced = await asyncio.to_thread(trace_spec, request.spec, self.registry, fake=True)
-        unread = Unread()  # directory keys it plans without: the reply says so
         view = await self.view.refresh(unread)
         live = self.view.peers()
         reusable = await self._reusable_job(request)
@@ -177,42 +183,61 @@ class Coordinator:
             raise PlanningError(
                 f"no idle peer to run job {request.job} on ({len(live)} live, all busy or not yet measured)"
             )
-        # infer the pairs nobody measured from every measured link, then plan on the idle peers
         everyone = {
             **{pid: p for pid, p in live.items() if pid in reached},
             **{p.peer_id: p for p in idle},
             owner: request.owner,
         }
-        swarm = await asyncio.to_thread(
-            Topology.from_records, list(everyone.values()), [lk for lk in measured if lk.src in everyone]
+        return _Candidates(idle, everyone, measured, reached), view
+
+    @staticmethod
+    def _plan_over(
+        request: JobRequest, dag: OpDag, found: _Candidates, cost: CostConfig
+    ) -> tuple[Plan, Topology]:
+        """The plan (the method the request asks for) over the idle peers, and the swarm it
+        was made in: the pairs nobody measured are inferred from every measured link first.
+
+        Raises:
+            PlanningError: the model fits in no split, or the plan uses too many peers.
+        """
+        owner = request.owner.peer_id
+        everyone = found.everyone
+        swarm = Topology.from_records(
+            list(everyone.values()), [lk for lk in found.measured if lk.src in everyone]
         )
-        candidates = swarm.subset(sorted([owner, *(p.peer_id for p in idle)]))
-        cost = CostConfig(
-            n_micro_batches=request.n_micro_batches,
-            compression=compression_policy(request.compression, request.max_ratio),
-        )
-        plan = await asyncio.to_thread(
-            plan_job, traced.dag, candidates, owner, method=request.method, cost=cost
+        candidates = swarm.subset(sorted([owner, *(p.peer_id for p in found.idle)]))
+        began = time.perf_counter()
+        plan = plan_job(dag, candidates, owner, method=request.method, cost=cost)
+        logger.info(
+            "planned %s with %s on %d peer(s) in %.2f s: %d stage(s), %.3f s per iteration (estimate)",
+            dag.name,
+            request.method,
+            len(candidates) - 1,
+            time.perf_counter() - began,
+            len(plan.stages),
+            plan.expected_s,
         )
         if not plan.estimate.fits:
-            chosen = [candidates.peer_ids.index(p.peer_id) for p in idle]
-            why = explain_no_fit(traced.dag, candidates, cost, chosen)
-            raise PlanningError(f"job {request.job} fits in no split over the {len(idle)} idle peers: {why}")
-        # the reply: the plan's peers, the data owner, the fastest other idle peers up to a bound,
-        # and every pair between them (what anyone re-plans from)
-        kept = {owner, *plan.peer_ids}
-        if len(kept) > MAX_REPLY_PEERS:
+            chosen = [candidates.peer_ids.index(p.peer_id) for p in found.idle]
+            why = explain_no_fit(dag, candidates, cost, chosen)
             raise PlanningError(
-                f"the {request.method} plan of job {request.job} uses {len(kept) - 1} peers; a plan may "
-                f"use at most {MAX_REPLY_PEERS - 1} (OP-Fence stays well below)"
+                f"job {request.job} fits in no split over the {len(found.idle)} idle peers: {why}"
             )
-        for p in idle:
-            if len(kept) >= REPLY_PEERS:
-                break
-            kept.add(p.peer_id)
-        peers = tuple(everyone[pid] for pid in sorted(kept))
-        all_links = tuple(swarm.subset(sorted(kept)).link_records(get_dht_time()))
-        if not self.keeper.holds():  # the lease ran out while planning: this plan must not count
+        if len({owner, *plan.peer_ids}) > MAX_REPLY_PEERS:
+            raise PlanningError(
+                f"the {request.method} plan of job {request.job} uses {len(set(plan.peer_ids))} peers; "
+                f"a plan may use at most {MAX_REPLY_PEERS - 1} (OP-Fence stays well below)"
+            )
+        return plan, swarm
+
+    async def _publish(self, request: JobRequest, plan: Plan) -> int:
+        """Publishes ``plan`` signed and stamped with this peer's epoch; the epoch.
+
+        Raises:
+            LimitError: the lease ran out while planning (this plan must not count).
+            PlanningError: the DHT did not keep the plan.
+        """
+        if not self.keeper.holds():
             raise LimitError(self._not_coordinator())
         epoch = self.keeper.epoch
         records = plan.to_records(
@@ -220,7 +245,7 @@ class Coordinator:
             epoch=epoch,
             made_by=self.transport.peer_id,
             made_at=get_dht_time(),
-            data_owner=owner,
+            data_owner=request.owner.peer_id,
         )
         await self.directory.publish_plan(records, get_dht_time() + PLAN_TTL)
         held = await self.directory.fetch_plans(request.job)
@@ -228,6 +253,26 @@ class Coordinator:
             raise PlanningError(
                 f"the DHT did not keep job {request.job}'s plan (epoch {epoch}); submit again"
             )
+        return epoch
+
+    async def _plan(self, request: JobRequest) -> JobReply:
+        owner = request.owner.peer_id
+        traced = await asyncio.to_thread(trace_spec, request.spec, self.registry, fake=True)
+        unread = Unread()  # directory keys it plans without: the reply says so
+        found, view = await self._candidates(request, unread)
+        cost = CostConfig(
+            n_micro_batches=request.n_micro_batches,
+            compression=compression_policy(request.compression, request.max_ratio),
+        )
+        plan, swarm = await asyncio.to_thread(self._plan_over, request, traced.dag, found, cost)
+        # the reply: the plan's peers, the data owner, the fastest other idle peers up to a
+        # bound, and every pair between them (what anyone re-plans from)
+        kept = {owner, *plan.peer_ids}
+        for p in found.idle:
+            if len(kept) >= REPLY_PEERS:
+                break
+            kept.add(p.peer_id)
+        epoch = await self._publish(request, plan)
         logger.info(
             "planned job %s%s for %s (epoch %d): %d stage(s) on %d idle peer(s), %.3f s per iteration%s",
             request.job,
@@ -236,8 +281,8 @@ class Coordinator:
             else "",
             owner[-8:],
             epoch,
-            len(records),
-            len(idle),
+            len(plan.stages),
+            len(found.idle),
             plan.expected_s,
             f", without {len(unread.keys)} unreadable directory key(s)" if unread.keys else "",
         )
@@ -249,15 +294,15 @@ class Coordinator:
             view.link_reads,
             view.without_links,
             view.oldest_read_s,
-            len(reached),
+            len(found.reached),
             view.seconds,
         )
         return JobReply(
             job=request.job,
             epoch=epoch,
-            unread=tuple(unread.keys[:MAX_UNREAD]),
-            n_stages=len(records),
+            n_stages=len(plan.stages),
             coordinator=self.transport.peer_id,
-            peers=peers,
-            links=all_links,
+            peers=tuple(found.everyone[pid] for pid in sorted(kept)),
+            links=tuple(swarm.subset(sorted(kept)).link_records(get_dht_time())),
+            unread=tuple(unread.keys[:MAX_UNREAD]),
         )

@@ -5,9 +5,10 @@ the peer reads the lease and the job's plan from the DHT itself and refuses the 
 unless: a lease is in force and its epoch is the setup's; the lease holder signed a
 complete plan of that epoch for this job (the DHT's validators already tie each record to
 its signer); the plan's data owner is the peer that sent the setup; the plan splits the
-same OP-DAG for the same micro-batch count; and the nodes the setup gives this peer are
-exactly the plan's. A plan from an older epoch, or signed by anyone else, counts for
-nothing.
+same OP-DAG for the same micro-batch count; and the setup is the plan as a runtime runs
+it (``planning.plan_layout``): the same peers in the same order, every OP-DAG position on
+the same stage, this stage's Top-K ratios and its micro-batches in flight. A plan from an
+older epoch, or signed by anyone else, counts for nothing.
 """
 
 from __future__ import annotations
@@ -17,21 +18,32 @@ from hivemind.utils import get_dht_time
 from fusionp2p.coordination.election import lease_in_force
 from fusionp2p.errors import ProtocolError
 from fusionp2p.net.directory import SwarmDirectory
-from fusionp2p.records import PlanStageRecord
-from fusionp2p.runtime.job_setup import JobSetup
+from fusionp2p.planning import RuntimeLayout
+from fusionp2p.planning.plan import plan_layout
+from fusionp2p.records import JobSetup, PlanStageRecord, expand_ranges
 
-__all__ = ["check_planned_setup", "plan_positions"]
+__all__ = ["check_planned_setup", "published_layout"]
 
 
-def plan_positions(records: list[PlanStageRecord], peer_id: str) -> set[int]:
-    """The OP-DAG positions a plan gives ``peer_id`` (over all its plan stages)."""
-    out: set[int] = set()
-    for record in records:
-        if record.peer_id == peer_id:
-            ranges = record.node_ranges
-            for start, end in zip(ranges[::2], ranges[1::2], strict=True):
-                out.update(range(start, end))
-    return out
+def published_layout(records: list[PlanStageRecord], data_owner: str) -> RuntimeLayout:
+    """How a runtime runs the plan ``records`` publish, with ``data_owner`` as stage 0.
+
+    Raises:
+        ProtocolError: the records are not one complete plan, or a link names no stage.
+    """
+    by_stage = {r.stage: r for r in records}
+    n = records[0].n_stages if records else 0
+    if not records or sorted(by_stage) != list(range(n)):
+        raise ProtocolError(f"a plan of {n} stages came with stages {sorted(by_stage)[:8]}")
+    ordered = [by_stage[k] for k in range(n)]
+    ratios: dict[tuple[int, int], float] = {}
+    for r in ordered:
+        for dst, ratio in r.links_to.items():
+            if not dst.isdigit() or int(dst) >= n:
+                raise ProtocolError(f"plan stage {r.stage} links to {dst!r:.20}, not a stage of {n}")
+            ratios[r.stage, int(dst)] = ratio
+    nodes = [expand_ranges(r.node_ranges) for r in ordered]
+    return plan_layout([r.peer_id for r in ordered], nodes, ratios, ordered[0].n_micro_batches, data_owner)
 
 
 async def check_planned_setup(directory: SwarmDirectory, setup: JobSetup, *, sender: str, me: str) -> None:
@@ -40,27 +52,38 @@ async def check_planned_setup(directory: SwarmDirectory, setup: JobSetup, *, sen
     Raises:
         ProtocolError: the reason, one line (sent back to the data owner).
     """
+    job = setup.job
     lease = lease_in_force(await directory.fetch_leases(), get_dht_time())
     if lease is None:
-        raise ProtocolError(f"job {setup.job}: no coordinator holds the lease, so no plan is in force")
+        raise ProtocolError(f"job {job}: no coordinator holds the lease, so no plan is in force")
     if setup.epoch != lease.epoch:
         raise ProtocolError(
-            f"job {setup.job}: the setup follows a plan of epoch {setup.epoch}, "
-            f"the coordinator's is {lease.epoch}"
+            f"job {job}: the setup follows a plan of epoch {setup.epoch}, the coordinator's is {lease.epoch}"
         )
-    records = (await directory.fetch_plans(setup.job)).get((lease.epoch, lease.holder), [])
+    records = (await directory.fetch_plans(job)).get((lease.epoch, lease.holder), [])
     if not records or len(records) != records[0].n_stages:
         raise ProtocolError(
-            f"job {setup.job}: the coordinator {lease.holder[-8:]} published no complete plan "
+            f"job {job}: the coordinator {lease.holder[-8:]} published no complete plan "
             f"of epoch {lease.epoch}"
         )
     first = records[0]
     if first.data_owner != sender:
-        raise ProtocolError(
-            f"job {setup.job}: the plan's data owner is {first.data_owner[-8:]}, not the sender"
-        )
+        raise ProtocolError(f"job {job}: the plan's data owner is {first.data_owner[-8:]}, not the sender")
     if first.dag != setup.fingerprint or first.n_micro_batches != setup.n_micro_batches:
-        raise ProtocolError(f"job {setup.job}: the setup's model or micro-batches differ from the plan's")
-    mine = {i for i, stage in enumerate(setup.assignment) if stage == setup.stage}
-    if mine != plan_positions(records, me):
-        raise ProtocolError(f"job {setup.job}: the setup gives this peer other nodes than the plan does")
+        raise ProtocolError(f"job {job}: the setup's model or micro-batches differ from the plan's")
+    layout = published_layout(records, sender)
+    if tuple(peer for peer, _ in setup.peers) != layout.peers or setup.peer_of(setup.stage) != me:
+        raise ProtocolError(f"job {job}: the setup's stage owners are not the plan's")
+    if setup.assignment != layout.assignment:
+        raise ProtocolError(f"job {job}: the setup gives this peer other nodes than the plan does")
+    planned = {b: r for (a, b), r in layout.ratios.items() if a == setup.stage}
+    if dict(setup.ratios) != planned:
+        raise ProtocolError(
+            f"job {job}: the setup's Top-K ratios {dict(setup.ratios)} are not the plan's {planned}"
+        )
+    assert layout.in_flight is not None  # plan_layout always counts them
+    if setup.in_flight != layout.in_flight[setup.stage]:
+        raise ProtocolError(
+            f"job {job}: the setup holds {setup.in_flight} micro-batches in flight, the plan "
+            f"{layout.in_flight[setup.stage]}"
+        )

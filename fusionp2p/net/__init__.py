@@ -9,4 +9,7 @@
 - ``limits.py``: stream counts, inbound byte budgets and rate-limited rejection logs.
 - ``transport.py``: frame streams over libp2p, a rate-limited wrapper, an in-memory one.
 - ``probe.py``: bandwidth and RTT probes, and the link estimator.
+- ``connection.py``: SwarmConnection, a process's place in a swarm when it is not a peer.
+
+The layers and how they fit: ``docs/architecture.md``.
 """

@@ -1,15 +1,13 @@
 """Bandwidth and RTT probes over the same stream transport that tensors use.
 
-Protocol ``fusionp2p.probe.v1`` on one stream, prober -> server:
-
-    PING(nonce) ... -> PONG(nonce)     ``ping_count`` tiny round trips; RTT = their median
-    DATA ... END    -> ACK(u64 bytes)  a bounded payload; goodput = bytes / (elapsed - RTT)
-
-The server refuses frames over ``max_bytes`` in total or of an unexpected kind with a
-protocol error. ``LinkEstimator`` estimates each link from its last ``window`` samples (the
-highest bandwidth and the lowest RTT among them, as BBR does: a probe can only under-measure
-a link, when it shares it with training traffic or other probes), sizes the next probe of
-each link to take about ``target_seconds``, and picks the bounded sample of peers to probe next.
+``PROBE_PROTOCOL`` (``records/probe.py``) on one stream, prober -> server: ``ping_count``
+tiny round trips (the RTT is their median), then a bounded payload (goodput = bytes /
+(elapsed - RTT)). The server refuses frames over ``max_bytes`` in total or of an
+unexpected kind with a protocol error. ``LinkEstimator`` estimates each link from its
+last ``window`` samples (the highest bandwidth and the lowest RTT among them, as BBR does:
+a probe can only under-measure a link, when it shares it with training traffic or other
+probes), sizes the next probe of each link to take about ``target_seconds``, and picks the
+bounded sample of peers to probe next.
 
 What a peer measures stays bounded at any swarm size: at most ``MAX_LINKS_PER_PEER`` links,
 the ``NEAR_LINKS`` fastest (its own cluster, densely) and the most recently measured of
@@ -25,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import random
 import statistics
-import struct
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -35,12 +32,12 @@ from fusionp2p.config import ProbeConfig
 from fusionp2p.errors import ProtocolError
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.transport import FrameStream, Transport
-from fusionp2p.records import MAX_LINKS_PER_PEER, LinkRecord
+from fusionp2p.records import MAX_LINKS_PER_PEER, PROBE_PROTOCOL, LinkRecord
+from fusionp2p.records.probe import MAX_PING_PAYLOAD, PROBE_ACK, PROBE_FRAME_BYTES, PROBE_NONCE
 
 __all__ = [
     "HINT_SOURCES",
     "NEAR_LINKS",
-    "PROBE_PROTOCOL",
     "LinkEstimator",
     "LinkSample",
     "hints_from",
@@ -48,10 +45,6 @@ __all__ = [
     "serve_probe",
 ]
 
-PROBE_PROTOCOL = "fusionp2p.probe.v1"
-_DATA_FRAME = 256 << 10
-_MAX_PING_PAYLOAD = 64
-_U64 = struct.Struct("!Q")
 NEAR_LINKS = 40  # of a peer's MAX_LINKS_PER_PEER links, this many are its fastest
 _RTT_FLOOR = 100e-6  # seconds: a loopback or LAN pair counts as this near
 HINT_SHARE = 0.75  # of a full peer's explorations, this share follows hints
@@ -76,17 +69,17 @@ async def serve_probe(stream: FrameStream, *, max_bytes: int, timeout: float) ->
     """
     received = 0
     while True:
-        kind, payload = await stream.recv(max_payload=_DATA_FRAME, timeout=timeout)
+        kind, payload = await stream.recv(max_payload=PROBE_FRAME_BYTES, timeout=timeout)
         if kind is FrameKind.PING:
-            if len(payload) > _MAX_PING_PAYLOAD:
-                raise ProtocolError(f"PING payload of {len(payload)} bytes > {_MAX_PING_PAYLOAD}")
+            if len(payload) > MAX_PING_PAYLOAD:
+                raise ProtocolError(f"PING payload of {len(payload)} bytes > {MAX_PING_PAYLOAD}")
             await stream.send(FrameKind.PONG, payload, timeout=timeout)
         elif kind is FrameKind.DATA:
             received += len(payload)
             if received > max_bytes:
                 raise ProtocolError(f"probe sent {received} bytes > limit {max_bytes}")
         elif kind is FrameKind.END:
-            await stream.send(FrameKind.ACK, _U64.pack(received), timeout=timeout)
+            await stream.send(FrameKind.ACK, PROBE_ACK.pack(received), timeout=timeout)
             return
         else:
             raise ProtocolError(f"unexpected {kind.name} frame in a probe")
@@ -106,16 +99,16 @@ async def probe_link(
         try:
             rtts = []
             for i in range(ping_count):
-                nonce = struct.pack("!I", i)
+                nonce = PROBE_NONCE.pack(i)
                 start = time.perf_counter()
                 await stream.send(FrameKind.PING, nonce, timeout=timeout)
-                kind, payload = await stream.recv(max_payload=_MAX_PING_PAYLOAD, timeout=timeout)
+                kind, payload = await stream.recv(max_payload=MAX_PING_PAYLOAD, timeout=timeout)
                 if kind is not FrameKind.PONG or payload != nonce:
                     raise ProtocolError(f"expected PONG {i}, got {kind.name}")
                 rtts.append(time.perf_counter() - start)
             rtt = statistics.median(rtts)
 
-            chunk = bytes(min(_DATA_FRAME, nbytes))
+            chunk = bytes(min(PROBE_FRAME_BYTES, nbytes))
             start = time.perf_counter()
             sent = 0
             while sent < nbytes:
@@ -123,11 +116,11 @@ async def probe_link(
                 await stream.send(FrameKind.DATA, piece, timeout=timeout)
                 sent += len(piece)
             await stream.send(FrameKind.END, timeout=timeout)
-            kind, payload = await stream.recv(max_payload=_U64.size, timeout=timeout)
+            kind, payload = await stream.recv(max_payload=PROBE_ACK.size, timeout=timeout)
             seconds = time.perf_counter() - start
-            if kind is not FrameKind.ACK or len(payload) != _U64.size:
+            if kind is not FrameKind.ACK or len(payload) != PROBE_ACK.size:
                 raise ProtocolError(f"expected ACK, got {kind.name}")
-            (acked,) = _U64.unpack(payload)
+            (acked,) = PROBE_ACK.unpack(payload)
             if acked != nbytes:
                 raise ProtocolError(f"peer acknowledged {acked} bytes of {nbytes}")
         finally:

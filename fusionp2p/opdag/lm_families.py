@@ -22,7 +22,7 @@ from fusionp2p.opdag.schema import (
     int_field,
 )
 
-__all__ = ["LM_FAMILIES", "causal_lm_factory"]
+__all__ = ["LM_FAMILIES", "CausalLMWrapper", "causal_lm_factory"]
 
 _ACTIVATIONS = ("gelu_new", "gelu", "gelu_pytorch_tanh", "relu", "silu", "tanh")
 _DROPOUT = float_field(0.0, 0.999)
@@ -51,13 +51,22 @@ _NO_DROPOUT: dict[str, dict[str, float]] = {
 }
 
 
+class CausalLMWrapper(torch.nn.Module):
+    """Calls a transformers causal LM with ``use_cache=False`` and returns only the logits."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
 def causal_lm_factory(model_type: str) -> Callable[..., torch.nn.Module]:
     """A factory building ``model_type``'s causal LM from keyword config (random weights)."""
 
     def build(**config: Any) -> torch.nn.Module:
         import transformers
-
-        from fusionp2p.opdag.trace import CausalLMWrapper
 
         vocab = config.get("vocab_size", _DEFAULT_VOCAB.get(model_type, 32000))
         defaults: dict[str, Any] = dict(_NO_DROPOUT.get(model_type, {}))

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from fusionp2p.errors import ConfigError
+from fusionp2p.records import FLOAT_DTYPES, WIRE_DTYPES
 
 __all__ = [
     "LOSS",
@@ -47,8 +48,6 @@ __all__ = [
 
 LOSS = "output"  # the graph's output node: the data owner's loss reads it
 
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
 
 @dataclass(frozen=True)
 class ValueInfo:
@@ -59,11 +58,11 @@ class ValueInfo:
 
     @property
     def is_float(self) -> bool:
-        return self.dtype in ("float32", "float16", "bfloat16", "float64")
+        return self.dtype in FLOAT_DTYPES
 
     def numel_bytes(self) -> int:
         """Bytes of the dense tensor."""
-        return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
+        return math.prod(self.shape) * WIRE_DTYPES[self.dtype]
 
 
 @dataclass(frozen=True)

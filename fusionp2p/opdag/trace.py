@@ -13,18 +13,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.ir import OpDag, OpNode
+from fusionp2p.opdag.spec import build_model, example_input, resolve_spec
 from fusionp2p.opdag.split import graph_fingerprint
+from fusionp2p.records import ModelSpec
 
-if TYPE_CHECKING:
-    from fusionp2p.opdag.families import ModelRegistry
-    from fusionp2p.opdag.spec import ModelSpec
-
-__all__ = ["CausalLMWrapper", "TracedModel", "coarsen", "trace_module", "trace_spec"]
+__all__ = ["TracedModel", "coarsen", "trace_module", "trace_spec"]
 
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"}
 _VIEWS = {
@@ -47,17 +46,6 @@ _VIEWS = {
     "detach",
     "getitem",
 }
-
-
-class CausalLMWrapper(torch.nn.Module):
-    """Calls a transformers causal LM with ``use_cache=False`` and returns only the logits."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, use_cache=False).logits
 
 
 @dataclass(frozen=True)
@@ -185,18 +173,21 @@ def trace_spec(spec: ModelSpec, registry: ModelRegistry | None = None, *, fake: 
     the real model, so a peer can learn what a stage needs before it allocates anything.
 
     Raises:
-        UnknownModelError / ConfigError: see ``ModelSpec.resolve``.
+        UnknownModelError / ConfigError: see ``opdag.spec.resolve_spec``.
     """
-    family, _ = spec.resolve(registry)
+    family, _ = resolve_spec(spec, registry)
     if not fake:
         return trace_module(
-            spec.build(registry), [spec.example_input()], name=spec.family, strip_prefix=family.strip_prefix
+            build_model(spec, registry),
+            [example_input(spec)],
+            name=spec.family,
+            strip_prefix=family.strip_prefix,
         )
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
-        module = spec.build(registry)
-        example = spec.example_input()
+        module = build_model(spec, registry)
+        example = example_input(spec)
     return trace_module(module, [example], name=spec.family, strip_prefix=family.strip_prefix)
 
 

@@ -18,10 +18,9 @@ from fusionp2p.planning.cost import CompressionKind, CostConfig
 from fusionp2p.planning.estimate import Stage, estimate
 from fusionp2p.planning.plan import Plan
 from fusionp2p.planning.topology import Topology
+from fusionp2p.records import BASELINES
 
 __all__ = ["BASELINES", "baseline_plan"]
-
-BASELINES = ("equal-number", "equal-computation")
 
 
 def _bounds_equal_number(n_nodes: int, n_peers: int) -> list[int]:

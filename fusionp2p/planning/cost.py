@@ -20,9 +20,9 @@ from typing import Literal
 import numpy as np
 
 from fusionp2p.errors import ConfigError
+from fusionp2p.records import COMPRESSIONS, MAX_TOPK_RATIO
 
 __all__ = [
-    "MAX_RATIO_LIMIT",
     "NO_COMPRESSION",
     "PAPER_WIRE",
     "PLANNED_MAX_RATIO",
@@ -32,6 +32,7 @@ __all__ = [
     "WireFormat",
     "adaptive_ratios",
     "codec_seconds",
+    "compression_policy",
     "in_flight",
     "planned_budgets",
     "planned_ratios",
@@ -85,8 +86,7 @@ class WireFormat:
 WIRE = WireFormat()  # fusionp2p's format: fp32 values, 2-byte index gaps (compression/wire.py)
 PAPER_WIRE = WireFormat(index_bytes=8)  # FusionLLM's: fp32 values, int64 indices (its coefficient 3)
 
-CompressionKind = Literal["none", "uniform", "adaptive", "planned"]
-MAX_RATIO_LIMIT = 1000.0  # no policy compresses a link harder than this
+CompressionKind = Literal["none", "uniform", "adaptive", "planned"]  # records.COMPRESSIONS, for types
 PLANNED_MAX_RATIO = 20.0  # the planned policy's default cap (benchmarks/convergence.py: +3% loss at 20)
 
 
@@ -96,21 +96,40 @@ class CompressionPolicy:
 
     kind: CompressionKind = "adaptive"
     ratio: float = 100.0  # the user's ratio: uniform uses it everywhere, adaptive on average
-    max_ratio: float = MAX_RATIO_LIMIT  # no link is compressed harder than this
+    max_ratio: float = MAX_TOPK_RATIO  # no link is compressed harder than this
     slack: float = 0.05  # planned: the share of iteration time its links may add over latency alone
 
     def __post_init__(self) -> None:
-        if self.kind not in ("none", "uniform", "adaptive", "planned"):
+        if self.kind not in COMPRESSIONS:
+            raise ConfigError(f"CompressionPolicy.kind must be one of {COMPRESSIONS}, got {self.kind!r}")
+        if not (1 <= self.ratio <= self.max_ratio <= MAX_TOPK_RATIO and math.isfinite(self.ratio)):
             raise ConfigError(
-                f"CompressionPolicy.kind must be none/uniform/adaptive/planned, got {self.kind!r}"
+                f"need 1 <= ratio <= max_ratio <= {MAX_TOPK_RATIO:g}, got {self.ratio} / {self.max_ratio}"
             )
-        if not (self.ratio >= 1 and math.isfinite(self.ratio)) or self.max_ratio < self.ratio:
-            raise ConfigError(f"need 1 <= ratio <= max_ratio, got {self.ratio} / {self.max_ratio}")
         if not 0 <= self.slack < 1:
             raise ConfigError(f"CompressionPolicy.slack must be in [0, 1), got {self.slack}")
 
 
 NO_COMPRESSION = CompressionPolicy(kind="none")  # every link dense
+
+
+def compression_policy(name: str, max_ratio: float = PLANNED_MAX_RATIO) -> CompressionPolicy:
+    """The policy a job's ``compression`` names: "none", "adaptive" (the paper's, §5.2),
+    "planned" (per link the least Top-K that hides it, no link harder than ``max_ratio``)
+    or "uniform" (``max_ratio`` on every link).
+
+    Raises:
+        ConfigError: another name.
+    """
+    if name == "none":
+        return NO_COMPRESSION
+    if name == "adaptive":
+        return CompressionPolicy(kind="adaptive")
+    if name == "uniform":
+        return CompressionPolicy(kind="uniform", ratio=max_ratio, max_ratio=max_ratio)
+    if name == "planned":
+        return CompressionPolicy(kind="planned", ratio=1.0, max_ratio=max_ratio)
+    raise ConfigError(f"[train] compression: must be one of {list(COMPRESSIONS)}, got {name!r:.40}")
 
 
 def adaptive_ratios(dense_times: np.ndarray, policy: CompressionPolicy) -> np.ndarray:

@@ -6,51 +6,66 @@ stage (node sets as ranges of the OP-DAG's topological order, outgoing links wit
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import NamedTuple
 
 from fusionp2p.opdag.ir import OpDag
 from fusionp2p.planning.cost import CostConfig, in_flight, stage_in_flight
 from fusionp2p.planning.estimate import Estimate, Stage, estimate
 from fusionp2p.planning.topology import PlanningError, Topology
-from fusionp2p.records import PlanStageRecord
+from fusionp2p.records import PlanStageRecord, expand_ranges, node_ranges
 
-__all__ = ["Plan", "RuntimeLayout", "RuntimeRatios", "dag_fingerprint", "node_ranges"]
+__all__ = ["Plan", "RuntimeLayout", "RuntimeRatios", "plan_layout"]
 
-RuntimeRatios = dict[tuple[int, int], float]  # (sending stage, receiving stage) -> Top-K ratio
+RuntimeRatios = Mapping[tuple[int, int], float]  # (sending stage, receiving stage) -> Top-K ratio
 
 
 class RuntimeLayout(NamedTuple):
-    """How a runtime runs a plan: runtime stage 0 is the data owner, then one stage per
-    other peer (a peer's plan stages run as one runtime stage)."""
+    """How a runtime runs a job: runtime stage ``data_stage`` is the data owner (it reads
+    the inputs and computes the loss), every other one a peer. A plan gives all of it
+    (``Plan.layout``); a job split by hand may leave the assignment (contiguous pieces of
+    equal forward FLOPs) and the depths (1F1B's) to the runtime."""
 
     peers: tuple[str, ...]  # per runtime stage
-    assignment: tuple[int, ...]  # the runtime stage of each OP-DAG position
-    ratios: RuntimeRatios  # Top-K ratio of each runtime link
-    in_flight: tuple[int, ...]  # per runtime stage: micro-batches it holds at once (what the plan counted)
+    assignment: Sequence[int] | Mapping[str, int] | None = None  # the stage of each OP-DAG position
+    ratios: RuntimeRatios = MappingProxyType({})  # Top-K ratio of each runtime link (absent: dense)
+    in_flight: tuple[int, ...] | None = None  # per stage: micro-batches it holds at once
+    data_stage: int = 0
 
 
-def dag_fingerprint(dag: OpDag) -> str:
-    """The OP-DAG's fingerprint (``OpDag.fingerprint``): peers check they split the same graph."""
-    return dag.fingerprint
-
-
-def node_ranges(nodes: Sequence[int]) -> tuple[int, ...]:
-    """Positions as flat [start, end) pairs: (0, 5, 9, 12) is 0..4 and 9..11."""
-    out: list[int] = []
-    for pos in sorted(nodes):
-        if out and out[-1] == pos:
-            out[-1] = pos + 1
-        else:
-            out += [pos, pos + 1]
-    return tuple(out)
-
-
-def _expand(ranges: Sequence[int]) -> tuple[int, ...]:
-    if len(ranges) % 2:
-        raise PlanningError(f"node ranges need start/end pairs, got {len(ranges)} numbers")
-    return tuple(i for s, e in zip(ranges[::2], ranges[1::2], strict=True) for i in range(s, e))
+def plan_layout(
+    peer_ids: Sequence[str],
+    stage_nodes: Sequence[Sequence[int]],
+    ratios: Mapping[tuple[int, int], float],
+    n_micro_batches: int,
+    data_owner: str,
+) -> RuntimeLayout:
+    """How a runtime runs a plan (``stage_nodes[k]``, the positions of plan stage ``k``,
+    run by ``peer_ids[k]``) with ``data_owner`` as its stage 0: the runtime stages' peers
+    (the data owner, then every other peer in the order of its first plan stage: a peer's
+    plan stages run as one runtime stage), the runtime stage of each OP-DAG position, the
+    Top-K ratio of each runtime link (two plan links on one: the milder), and each runtime
+    stage's micro-batches in flight: the data owner's window, and for every other peer
+    what the estimate counted for its plan stages (``cost.stage_in_flight``). Both the
+    data owner and each stage (``coordination.plan_check``) derive it from the plan."""
+    order = [data_owner, *(p for p in dict.fromkeys(peer_ids) if p != data_owner)]
+    index = {peer: i for i, peer in enumerate(order)}
+    runtime = [index[peer] for peer in peer_ids]
+    positions = {pos: runtime[k] for k, nodes in enumerate(stage_nodes) for pos in nodes}
+    assignment = tuple(positions[i] for i in range(len(positions)))
+    out: dict[tuple[int, int], float] = {}
+    for (a, b), ratio in ratios.items():
+        if runtime[a] != runtime[b] and ratio > 1:
+            key = (runtime[a], runtime[b])
+            out[key] = min(out.get(key, ratio), ratio)
+    per_stage = dict(zip(peer_ids, stage_in_flight(n_micro_batches, peer_ids), strict=True))
+    held = [in_flight(n_micro_batches, len(order))]
+    held += [per_stage[peer] for peer in order[1:]]
+    if data_owner in per_stage:  # the data owner runs plan stages too: the larger of the two
+        held[0] = max(held[0], per_stage[data_owner])
+    return RuntimeLayout(tuple(order), assignment, MappingProxyType(out), tuple(held))
 
 
 @dataclass(frozen=True)
@@ -58,7 +73,7 @@ class Plan:
     """A partition with its per-link ratios and the estimate it was chosen for."""
 
     method: str  # "op-fence", "exact", "equal-number/uniform", ...
-    dag: str  # dag_fingerprint of the OP-DAG it splits
+    dag: str  # the fingerprint of the OP-DAG it splits
     peer_ids: tuple[str, ...]  # owner of each stage
     stages: tuple[Stage, ...]
     ratios: dict[tuple[int, int], float]  # (src stage, dst stage) -> Top-K ratio
@@ -68,29 +83,9 @@ class Plan:
     version: int = 1  # a re-plan of the same job gets the next one; OpData names it
 
     def layout(self, data_owner: str) -> RuntimeLayout:
-        """How a runtime runs this plan with ``data_owner`` as its stage 0: the runtime
-        stages' peers (the data owner, then every other peer in the order of its first plan
-        stage), the runtime stage of each OP-DAG position, the Top-K ratio of each runtime
-        link, and each runtime stage's micro-batches in flight: the data owner's window, and
-        for every other peer what the estimate counted for its plan stages
-        (``cost.stage_in_flight``)."""
-        order = [data_owner, *(p for p in dict.fromkeys(self.peer_ids) if p != data_owner)]
-        index = {peer: i for i, peer in enumerate(order)}
-        runtime = [index[peer] for peer in self.peer_ids]
-        positions = {pos: runtime[k] for k, stage in enumerate(self.stages) for pos in stage.nodes}
-        assignment = tuple(positions[i] for i in range(len(positions)))
-        ratios: dict[tuple[int, int], float] = {}
-        for (a, b), ratio in self.ratios.items():
-            if runtime[a] != runtime[b] and ratio > 1:
-                key = (runtime[a], runtime[b])
-                ratios[key] = min(ratios.get(key, ratio), ratio)  # two plan links on one: the milder
-        depths = stage_in_flight(self.n_micro_batches, self.peer_ids)
-        per_stage = dict(zip(self.peer_ids, depths, strict=True))
-        held = [in_flight(self.n_micro_batches, len(order))]
-        held += [per_stage[peer] for peer in order[1:]]
-        if data_owner in per_stage:  # the data owner runs plan stages too: the larger of the two
-            held[0] = max(held[0], per_stage[data_owner])
-        return RuntimeLayout(tuple(order), assignment, ratios, tuple(held))
+        """How a runtime runs this plan with ``data_owner`` as its stage 0 (``plan_layout``)."""
+        nodes = [stage.nodes for stage in self.stages]
+        return plan_layout(self.peer_ids, nodes, self.ratios, self.n_micro_batches, data_owner)
 
     @classmethod
     def build(
@@ -106,7 +101,7 @@ class Plan:
         ratios = {(lk.src, lk.dst): lk.ratio for lk in est.links}
         return cls(
             method,
-            dag_fingerprint(dag),
+            dag.fingerprint,
             tuple(topo.peer_ids[s.peer] for s in stages),
             tuple(stages),
             ratios,
@@ -198,9 +193,9 @@ class Plan:
         by_stage = {r.stage: r for r in records if (r.plan_id, r.epoch) == (first.plan_id, first.epoch)}
         if sorted(by_stage) != list(range(first.n_stages)):
             raise PlanningError(f"plan {first.plan_id} has stages {sorted(by_stage)} of {first.n_stages}")
-        if first.dag != dag_fingerprint(dag):
-            raise PlanningError(f"plan splits OP-DAG {first.dag}, this peer built {dag_fingerprint(dag)}")
-        return [(by_stage[k].peer_id, _expand(by_stage[k].node_ranges)) for k in range(first.n_stages)]
+        if first.dag != dag.fingerprint:
+            raise PlanningError(f"plan splits OP-DAG {first.dag}, this peer built {dag.fingerprint}")
+        return [(by_stage[k].peer_id, expand_ranges(by_stage[k].node_ranges)) for k in range(first.n_stages)]
 
     def describe(self, dag: OpDag) -> str:
         """A human-readable table of stages and links."""

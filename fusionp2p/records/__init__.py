@@ -1,18 +1,43 @@
-"""Everything that goes into the DHT or onto a stream: versioned, validated wire records.
+"""Every byte that crosses a process boundary: versioned, validated wire records.
 
-Each record is a frozen dataclass with ``to_wire() -> bytes`` and ``from_wire(bytes)``
-(``wire.py``). The wire form is a msgpack map with string keys (never pickle). ``from_wire``
-checks size, types and ranges, ignores unknown fields (so newer peers can add some) and
-rejects a newer *major* schema version. Every record stays far below hivemind's ~32 KiB DHT
-value limit: ``MAX_RECORD_BYTES`` is enforced on both ends, and it keeps a whole store
-request (record + signed subkey + framing) under the 4 KiB that hivemind's DHT process can
-read from its pipe in one piece (larger requests can be torn and hang). ``swarm.py`` holds
-what peers publish to the DHT, ``tensors.py`` what travels with tensors.
+- ``wire.py``: the shared form (a msgpack map, never pickle), its one validator, the
+  version rule (the major version changes only for a breaking change) and size limits.
+- ``limits.py``: limits every reader enforces (micro-batches, stages, positions, Top-K ratio).
+- ``protocols.py``: the stream protocols' ids, ``/fusionp2p/<name>/<major>``.
+- ``swarm.py``: what peers publish to the DHT: PeerRecord, LinkRecord, LinkSetRecord,
+  LeaseRecord, RunStatusRecord, PlanStageRecord.
+- ``node_ranges.py``: the one encoding of a stage's OP-DAG positions (plan and setup).
+- ``model.py``: ModelSpec, what peers build a model from.
+- ``tensors.py``: OpData (FusionLLM §3.4) and TopKHeader; the wire dtypes.
+- ``exec.py``: the exec protocol: ExecControl, JobSetup, a message's layout, ACK payloads.
+- ``coordinator.py``: the coordinator protocol: JobRequest, JobReply, plan methods, compressions.
+- ``probe.py``: the probe protocol's payloads.
+
+The layers and how they fit: ``docs/architecture.md``.
 """
 
 from __future__ import annotations
 
 from fusionp2p.errors import RecordError
+from fusionp2p.records.coordinator import BASELINES, COMPRESSIONS, PLAN_METHODS, JobReply, JobRequest
+from fusionp2p.records.exec import (
+    CONTROL_REPLY_BYTES,
+    CREDIT,
+    EXEC_COMMANDS,
+    FETCHABLE,
+    STEP_REPLY,
+    ExecControl,
+    ExecHeader,
+    JobSetup,
+    decode_exec_header,
+    message_prefix,
+    pack_message,
+    split_message,
+)
+from fusionp2p.records.limits import MAX_MICRO_BATCHES, MAX_NODES, MAX_STAGES, MAX_TOPK_RATIO
+from fusionp2p.records.model import ModelSpec
+from fusionp2p.records.node_ranges import expand_ranges, node_ranges
+from fusionp2p.records.protocols import COORD_PROTOCOL, EXEC_PROTOCOL, PROBE_PROTOCOL
 from fusionp2p.records.swarm import (
     CODEC_TERMS,
     LINKS_PER_SET,
@@ -20,7 +45,6 @@ from fusionp2p.records.swarm import (
     PEER_STATES,
     RUN_EVENT_CHARS,
     RUN_EVENTS,
-    SITE_PATTERN,
     TRAIN_FLOPS,
     LeaseRecord,
     LinkRecord,
@@ -30,47 +54,74 @@ from fusionp2p.records.swarm import (
     RunStatusRecord,
 )
 from fusionp2p.records.tensors import (
-    EXEC_COMMANDS,
-    FETCHABLE,
+    FLOAT_DTYPES,
     OPDATA_DIRECTIONS,
     OPDATA_DTYPES,
     TOPK_INDEX_FORMATS,
     TOPK_VALUE_DTYPES,
-    ExecControl,
+    WIRE_DTYPES,
     OpData,
     TopKHeader,
 )
 from fusionp2p.records.wire import MAX_RECORD_BYTES, WireRecord, unpack_body
 
 __all__ = [
+    "BASELINES",
     "CODEC_TERMS",
+    "COMPRESSIONS",
+    "CONTROL_REPLY_BYTES",
+    "COORD_PROTOCOL",
+    "CREDIT",
     "EXEC_COMMANDS",
+    "EXEC_PROTOCOL",
     "FETCHABLE",
+    "FLOAT_DTYPES",
     "LINKS_PER_SET",
     "MAX_LINKS_PER_PEER",
+    "MAX_MICRO_BATCHES",
+    "MAX_NODES",
     "MAX_RECORD_BYTES",
+    "MAX_STAGES",
+    "MAX_TOPK_RATIO",
     "OPDATA_DIRECTIONS",
     "OPDATA_DTYPES",
     "PEER_STATES",
+    "PLAN_METHODS",
+    "PROBE_PROTOCOL",
+    "RECORD_KINDS",
     "RUN_EVENTS",
     "RUN_EVENT_CHARS",
-    "SITE_PATTERN",
+    "STEP_REPLY",
     "TOPK_INDEX_FORMATS",
     "TOPK_VALUE_DTYPES",
     "TRAIN_FLOPS",
+    "WIRE_DTYPES",
     "ExecControl",
+    "ExecHeader",
+    "JobReply",
+    "JobRequest",
+    "JobSetup",
     "LeaseRecord",
     "LinkRecord",
     "LinkSetRecord",
+    "ModelSpec",
     "OpData",
     "PeerRecord",
     "PlanStageRecord",
     "RunStatusRecord",
     "TopKHeader",
+    "WireRecord",
+    "decode_exec_header",
     "decode_record",
+    "expand_ranges",
+    "message_prefix",
+    "node_ranges",
+    "pack_message",
+    "split_message",
+    "unpack_body",
 ]
 
-_KINDS: dict[str, type[WireRecord]] = {
+RECORD_KINDS: dict[str, type[WireRecord]] = {
     cls.KIND: cls
     for cls in (
         PeerRecord,
@@ -79,34 +130,29 @@ _KINDS: dict[str, type[WireRecord]] = {
         LeaseRecord,
         RunStatusRecord,
         PlanStageRecord,
+        ModelSpec,
         TopKHeader,
         OpData,
         ExecControl,
+        JobSetup,
+        JobRequest,
+        JobReply,
     )
-}
+}  # every record, by the ``kind`` it carries on the wire
 
 
-def decode_record(
-    data: bytes | bytearray,
-) -> (
-    PeerRecord
-    | LinkRecord
-    | LinkSetRecord
-    | LeaseRecord
-    | RunStatusRecord
-    | PlanStageRecord
-    | TopKHeader
-    | OpData
-    | ExecControl
-):
-    """Decodes any known record by its ``kind`` field.
+def decode_record(data: bytes | bytearray | memoryview, *, limit: int = MAX_RECORD_BYTES) -> WireRecord:
+    """Decodes any known record by its ``kind`` field; at most ``limit`` bytes (and its
+    kind's own limit).
 
     Raises:
         RecordError: the bytes are not a valid record of a known kind.
     """
-    body = unpack_body(data)
+    body = unpack_body(data, limit=limit)
     kind = body.get("kind")
-    cls = _KINDS.get(kind) if isinstance(kind, str) else None
+    cls = RECORD_KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise RecordError(f"unknown record kind {body.get('kind')!r:.40}")
-    return cls.from_body(body)  # type: ignore[return-value]
+    if len(data) > cls.MAX_BYTES:
+        raise RecordError(f"{kind} record of {len(data)} bytes exceeds the limit of {cls.MAX_BYTES}")
+    return cls.from_body(body)

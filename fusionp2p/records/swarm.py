@@ -3,12 +3,13 @@ and the plan's stages."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from fusionp2p.config import SITE_PATTERN
 from fusionp2p.errors import RecordError
+from fusionp2p.records.node_ranges import check_ranges
 from fusionp2p.records.wire import WireRecord
 
 __all__ = [
@@ -18,7 +19,6 @@ __all__ = [
     "PEER_STATES",
     "RUN_EVENTS",
     "RUN_EVENT_CHARS",
-    "SITE_PATTERN",
     "TRAIN_FLOPS",
     "LeaseRecord",
     "LinkRecord",
@@ -41,7 +41,6 @@ TRAIN_FLOPS = "train_float32"  # PeerRecord.flops key: a transformer block's for
 # the sending side (encode the activation, decode its gradient) and the receiving side (decode
 # the activation, gather its gradient at the kept positions)
 CODEC_TERMS = ("send_element_s", "send_entry_s", "recv_element_s", "recv_entry_s")
-SITE_PATTERN = re.compile(r"[A-Za-z0-9._-]{0,64}")  # PeerRecord.site; "" for none
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,9 @@ class PeerRecord(WireRecord):
     """A peer's measured profile and addresses, refreshed by its heartbeat."""
 
     KIND: ClassVar[str] = "peer"
-    VERSION: ClassVar[int] = 4  # 2: units in the field names, job, stage_s; 3: topk_codec_s; 4: site
+    # 2: units in the field names. Later fields (job, stage_s, topk_codec_s, site) are optional
+    # additions; 3 and 4 were bumped for them before the rule that only breaking changes bump
+    VERSION: ClassVar[int] = 4
 
     peer_id: str  # base58 libp2p PeerID; must match the key that signed the record
     maddrs: tuple[str, ...]  # multiaddrs others can dial
@@ -259,7 +260,7 @@ class PlanStageRecord(WireRecord):
     n_stages: int
     peer_id: str  # owner of the stage
     dag: str  # fingerprint of the OP-DAG being split
-    node_ranges: tuple[int, ...]  # flat [start, end) pairs over the OP-DAG's topological order
+    node_ranges: tuple[int, ...]  # the stage's positions in the OP-DAG's topological order (node_ranges)
     links_to: dict[str, float]  # destination stage (as text) -> Top-K ratio
     n_micro_batches: int
     est_iteration_s: float  # the estimate the plan was chosen for
@@ -270,11 +271,6 @@ class PlanStageRecord(WireRecord):
     def __post_init__(self) -> None:
         if not 0 <= self.stage < self.n_stages:
             raise RecordError(f"PlanStageRecord.stage {self.stage} not in [0, {self.n_stages})")
-        if len(self.node_ranges) % 2 or any(
-            b <= a for a, b in zip(self.node_ranges[::2], self.node_ranges[1::2], strict=True)
-        ):
-            raise RecordError(
-                f"PlanStageRecord.node_ranges must be [start, end) pairs, got {self.node_ranges}"
-            )
+        check_ranges(self.node_ranges, "PlanStageRecord.node_ranges")
         if any(r < 1 for r in self.links_to.values()) or self.n_micro_batches < 1:
             raise RecordError("PlanStageRecord ratios and n_micro_batches must be >= 1")

@@ -1,5 +1,5 @@
-"""Records that travel with tensors on the exec protocol: OpData (FusionLLM §3.4), the Top-K
-body's header and the exec commands."""
+"""Records that travel with tensors on the exec protocol: OpData (FusionLLM §3.4) and the
+Top-K body's header; the table of the dtypes a tensor may have on the wire."""
 
 from __future__ import annotations
 
@@ -11,18 +11,31 @@ from fusionp2p.errors import RecordError
 from fusionp2p.records.wire import WireRecord
 
 __all__ = [
-    "EXEC_COMMANDS",
-    "FETCHABLE",
+    "FLOAT_DTYPES",
     "OPDATA_DIRECTIONS",
     "OPDATA_DTYPES",
     "TOPK_INDEX_FORMATS",
     "TOPK_VALUE_DTYPES",
-    "ExecControl",
+    "WIRE_DTYPES",
     "OpData",
     "TopKHeader",
 ]
 
-TOPK_VALUE_DTYPES = ("float32", "float16", "bfloat16")
+# every dtype a tensor may have on the wire (little-endian), and its bytes per element;
+# the names are torch's (``getattr(torch, name)``)
+WIRE_DTYPES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "int64": 8,
+    "int32": 4,
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+}
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+TOPK_VALUE_DTYPES = ("float32", "float16", "bfloat16")  # what Top-K compresses and sends
 TOPK_INDEX_FORMATS = ("dense", "int32", "delta16", "bitmap", "shared")
 
 
@@ -65,7 +78,7 @@ class TopKHeader(WireRecord):
 
 
 OPDATA_DIRECTIONS = ("forward", "backward")
-OPDATA_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "bool", "uint8", "int8")
+OPDATA_DTYPES = tuple(WIRE_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -111,27 +124,3 @@ class OpData(WireRecord):
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-
-EXEC_COMMANDS = ("setup", "weights", "step", "fetch", "teardown", "ping")
-FETCHABLE = ("params", "grads", "state")  # state: every tensor and the optimizer's, for a checkpoint
-
-
-@dataclass(frozen=True)
-class ExecControl(WireRecord):
-    """A control message to an executor; its body (JSON or safetensors) follows it."""
-
-    KIND: ClassVar[str] = "exec_control"
-
-    command: str  # one of EXEC_COMMANDS
-    job: str
-    iteration: int = 0
-    n_micro_batches: int = 0
-    what: str = ""  # fetch: one of FETCHABLE
-    body_bytes: int = 0  # length of the JSON or safetensors bytes that follow the header
-
-    def __post_init__(self) -> None:
-        if self.command not in EXEC_COMMANDS:
-            raise RecordError(f"ExecControl.command must be one of {EXEC_COMMANDS}, got {self.command!r}")
-        if min(self.iteration, self.n_micro_batches, self.body_bytes) < 0:
-            raise RecordError("ExecControl counters must be >= 0")

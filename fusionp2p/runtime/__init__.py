@@ -9,12 +9,18 @@
 - ``tensor_wire.py``: tensors as OpData bodies (dense or Top-K).
 - ``memory.py``: what a stage will hold in memory, computed before anything is allocated.
 - ``engines.py``: building a stage's executor from a setup (memory check first).
-- ``job_setup.py``: JobSetup, what a data owner sends a peer to run one stage.
-- ``codec.py``: exec protocol messages, and ExecClient (one request stream to a peer).
+- ``job_setup.py``: JobOptions, and each stage's ``records.JobSetup`` from a layout.
+- ``codec.py``: reading an exec message header off a stream, and ExecClient (one
+  request stream to a peer).
+- ``admission.py``: who may send which exec message, decided before a body is read.
+- ``opdata_check.py``: an OpData header checked against the partition.
+- ``codec_profile.py``: this device's Top-K coding time; ``throttle.py``: emulated slower devices.
 - ``jobs.py``: one job's state on a serving peer and its outgoing OpData streams.
 - ``compute.py``: the one compute thread, its bounded queue, and readiness per job.
 - ``service.py``: the exec protocol server: who may ask what, and how much.
 - ``driver.py``: the data owner's PipelineDriver: sets a job up and drives iterations.
+
+The layers and how they fit: ``docs/architecture.md``.
 """
 
 from fusionp2p.runtime.device_profile import DeviceProfile, measure_device, profile_device

@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 
 from fusionp2p.config import ExecLimits
 from fusionp2p.errors import LimitError, ProtocolError
-from fusionp2p.records import ExecControl, OpData
-from fusionp2p.runtime.job_setup import JobSetup
+from fusionp2p.records import ExecControl, JobSetup, OpData
 from fusionp2p.runtime.jobs import Job, opdata_key
 
 __all__ = ["ServicePolicy", "admit_control", "admit_opdata", "admit_setup", "check_setup", "find_job"]
@@ -119,13 +118,16 @@ def admit_setup(
         raise LimitError(f"this peer is busy: {running} job(s) running, its --max-jobs is {policy.max_jobs}")
 
 
-def check_setup(setup: JobSetup, name: str, *, me: str, sender: str) -> None:
+def check_setup(setup: JobSetup, name: str, *, me: str, sender: str, limits: ExecLimits) -> None:
     """A setup body must be the job its header named, give this peer (``me``) the stage
-    it sets up, and come from the peer it names for the data stage.
+    it sets up, come from the peer it names for the data stage, and have no more stages
+    than this peer allows.
 
     Raises:
         ProtocolError: it does not.
     """
+    if setup.n_stages > limits.max_stages:
+        raise ProtocolError(f"setup of {setup.n_stages} stages; this peer takes at most {limits.max_stages}")
     if setup.job != name:
         raise ProtocolError(f"setup body for job {setup.job!r} under header job {name!r:.40}")
     if setup.peer_of(setup.stage) != me:

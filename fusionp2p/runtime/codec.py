@@ -1,7 +1,6 @@
-"""The exec protocol's messages, and the client side of its streams.
+"""The client side of the exec protocol's streams, and reading a message header off one.
 
-    frame payload = header_len:u16 | header (an OpData or ExecControl record) | body
-
+A message is laid out as ``records.exec`` says (header length, header record, body).
 Every message gets one reply frame: ACK, ERROR (a UTF-8 reason) or DATA (a fetch, itself
 a message). A server reads a message in three steps (``read_message_header`` and then the
 body, see ``service.py``) so that it can refuse a body before it holds a byte of it.
@@ -13,76 +12,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import struct
 import time
 
+from fusionp2p.config import DEFAULT_TIMEOUTS
 from fusionp2p.errors import PeerUnreachableError, ProtocolError, RecordError
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.transport import FrameStream, Transport
-from fusionp2p.records import MAX_RECORD_BYTES, ExecControl, OpData, decode_record
+from fusionp2p.records import (
+    CONTROL_REPLY_BYTES,
+    EXEC_PROTOCOL,
+    MAX_RECORD_BYTES,
+    ExecHeader,
+    decode_exec_header,
+    pack_message,
+    split_message,
+)
+from fusionp2p.records.exec import MESSAGE_HEADER_LEN
 
-__all__ = [
-    "CONTROL_REPLY_BYTES",
-    "CREDIT",
-    "EXEC_PROTOCOL",
-    "ExecClient",
-    "ExecHeader",
-    "decode_header",
-    "message_parts",
-    "pack_message",
-    "read_message_header",
-    "unpack_message",
-]
-
-EXEC_PROTOCOL = "/fusionp2p/exec/2"
-CONTROL_REPLY_BYTES = 4 << 10  # an ACK or an ERROR reason
-CREDIT = struct.Struct("!Q")  # an OpData ACK's payload: bytes the receiver takes in flight from this sender
-STEP_REPLY = struct.Struct("!dI")  # a step ACK's payload: seconds computed, most micro-batches held at once
-_LEN = struct.Struct("!H")
-ExecHeader = OpData | ExecControl
-
-
-def message_parts(
-    header: ExecHeader, body: bytes | bytearray | memoryview = b""
-) -> tuple[bytes, bytes | bytearray | memoryview]:
-    """A message as (length-prefixed header, body): written one after the other, no copy of the body."""
-    wire = header.to_wire()
-    return _LEN.pack(len(wire)) + wire, body
-
-
-def pack_message(header: ExecHeader, body: bytes = b"") -> bytes:
-    prefix, _ = message_parts(header)
-    return prefix + body
-
-
-def decode_header(data: bytes | bytearray) -> ExecHeader:
-    """Raises ProtocolError unless ``data`` is an OpData or ExecControl record."""
-    try:
-        header = decode_record(data)
-    except RecordError as e:
-        raise ProtocolError(f"bad message header: {e}") from e
-    if not isinstance(header, (OpData, ExecControl)):
-        raise ProtocolError(f"a {header.KIND!r} record is not an exec message")
-    return header
+__all__ = ["ExecClient", "read_message_header", "unpack_message"]
 
 
 def unpack_message(payload: bytes | bytearray) -> tuple[ExecHeader, bytes | bytearray]:
-    """Splits a whole message and decodes its header.
+    """A whole message's header and body (``records.split_message``).
 
     Raises:
-        ProtocolError: too short, a header that is not an OpData or ExecControl record, or
-            a body whose length disagrees with the header.
+        ProtocolError: the message is malformed.
     """
-    if len(payload) < _LEN.size:
-        raise ProtocolError(f"message of {len(payload)} bytes has no header")
-    (size,) = _LEN.unpack_from(payload)
-    if _LEN.size + size > len(payload):
-        raise ProtocolError(f"header of {size} bytes in a message of {len(payload)}")
-    header = decode_header(payload[_LEN.size : _LEN.size + size])
-    body = payload[_LEN.size + size :]
-    if len(body) != header.body_bytes:
-        raise ProtocolError(f"body of {len(body)} bytes, header says {header.body_bytes}")
-    return header, body
+    try:
+        return split_message(payload)
+    except RecordError as e:
+        raise ProtocolError(f"bad message: {e}") from e
 
 
 async def read_message_header(stream: FrameStream, frame_length: int, *, stall_timeout: float) -> ExecHeader:
@@ -93,18 +52,22 @@ async def read_message_header(stream: FrameStream, frame_length: int, *, stall_t
         ProtocolError: the header is too long, malformed, or disagrees with the frame.
         PeerUnreachableError: the stream ended or stalled.
     """
-    if frame_length < _LEN.size:
+    prefix = MESSAGE_HEADER_LEN.size
+    if frame_length < prefix:
         raise ProtocolError(f"message of {frame_length} bytes has no header")
-    (size,) = _LEN.unpack(await stream.recv_exactly(_LEN.size, stall_timeout=stall_timeout))
-    if size > MAX_RECORD_BYTES or _LEN.size + size > frame_length:
+    (size,) = MESSAGE_HEADER_LEN.unpack(await stream.recv_exactly(prefix, stall_timeout=stall_timeout))
+    if size > MAX_RECORD_BYTES or prefix + size > frame_length:
         raise ProtocolError(
             f"message header of {size} bytes (limit {MAX_RECORD_BYTES}, frame {frame_length})"
         )
-    header = decode_header(await stream.recv_exactly(size, stall_timeout=stall_timeout))
-    if frame_length - _LEN.size - size != header.body_bytes:
+    try:
+        header = decode_exec_header(await stream.recv_exactly(size, stall_timeout=stall_timeout))
+    except RecordError as e:
+        raise ProtocolError(f"bad message header: {e}") from e
+    if frame_length - prefix - size != header.body_bytes:
         raise ProtocolError(
             f"{header.KIND} declares a body of {header.body_bytes} bytes, the frame carries "
-            f"{frame_length - _LEN.size - size}"
+            f"{frame_length - prefix - size}"
         )
     return header
 
@@ -172,5 +135,5 @@ class ExecClient:
         async with self._lock:
             if self._stream is not None:
                 with contextlib.suppress(Exception):  # the peer may be gone already
-                    await self._stream.send(FrameKind.END, timeout=2.0)
+                    await self._stream.send(FrameKind.END, timeout=DEFAULT_TIMEOUTS.courtesy)
                 await self._drop()

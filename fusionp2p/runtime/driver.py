@@ -16,24 +16,23 @@ import contextlib
 import functools
 import logging
 import math
-import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import safetensors.torch
 import torch
 
-from fusionp2p.compression import NO_WARMUP, RatioWarmup
-from fusionp2p.config import ExecLimits, OptimizerConfig
+from fusionp2p.config import DEFAULT_TIMEOUTS, ExecLimits
 from fusionp2p.errors import ConfigError, FusionP2PError, ProtocolError
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.transport import Transport
 from fusionp2p.opdag.families import ModelRegistry
-from fusionp2p.opdag.spec import ModelSpec
-from fusionp2p.opdag.split import Partition, balanced_assignment, partition
+from fusionp2p.opdag.spec import resolve_spec
+from fusionp2p.opdag.split import Partition, balanced_assignment, op_node_names, partition
 from fusionp2p.opdag.trace import TracedModel, trace_spec
-from fusionp2p.records import FETCHABLE, ExecControl
-from fusionp2p.runtime.codec import CONTROL_REPLY_BYTES, STEP_REPLY, ExecClient, unpack_message
-from fusionp2p.runtime.job_setup import JobSetup
+from fusionp2p.planning import RuntimeLayout
+from fusionp2p.records import CONTROL_REPLY_BYTES, FETCHABLE, STEP_REPLY, ExecControl, JobSetup, ModelSpec
+from fusionp2p.runtime.codec import ExecClient, unpack_message
+from fusionp2p.runtime.job_setup import JobOptions, stage_setups
 from fusionp2p.runtime.losses import LOSSES
 from fusionp2p.runtime.service import ExecutorService, ServicePolicy
 from fusionp2p.runtime.stage_state import OPTIMIZER_SEPARATOR
@@ -84,6 +83,38 @@ def _restore_tensors(names: Iterable[str], state: Mapping[str, torch.Tensor]) ->
     return {k: v.contiguous() for k, v in state.items() if k.partition(OPTIMIZER_SEPARATOR)[0] in wanted}
 
 
+def _positions(traced: TracedModel, layout: RuntimeLayout) -> tuple[int, ...]:
+    """The layout's assignment as a stage per OP-DAG position (by default contiguous pieces
+    of equal forward FLOPs).
+
+    Raises:
+        ConfigError: node names the graph does not have, or misses some.
+    """
+    ops = op_node_names(traced.program.graph)
+    given = layout.assignment
+    if given is None:
+        return tuple(balanced_assignment([n.fwd_flops for n in traced.dag.nodes], len(layout.peers)))
+    if isinstance(given, Mapping):
+        unknown, missing = set(given) - set(ops), [n for n in ops if n not in given]
+        if unknown or missing:
+            raise ConfigError(f"assignment names unknown nodes {sorted(unknown)[:5]} or misses {missing[:5]}")
+        return tuple(int(given[n]) for n in ops)
+    return tuple(int(s) for s in given)
+
+
+def _trace_and_split(
+    spec: ModelSpec, registry: ModelRegistry, layout: RuntimeLayout, expect_dag: str | None
+) -> tuple[TracedModel, tuple[int, ...], Partition]:
+    traced = trace_spec(spec, registry)
+    if expect_dag is not None and traced.dag.fingerprint != expect_dag:
+        raise ConfigError(
+            f"the plan splits OP-DAG {expect_dag}, this model traced to {traced.dag.fingerprint}"
+        )
+    assignment = _positions(traced, layout)
+    part = partition(traced.program, assignment, len(layout.peers), data_stage=layout.data_stage)
+    return traced, assignment, part
+
+
 class PipelineDriver:
     """Runs a job from the data owner. Create with ``await PipelineDriver.create(...)``."""
 
@@ -96,6 +127,7 @@ class PipelineDriver:
         setups: list[JobSetup],
         clients: dict[int, ExecClient],
         limits: ExecLimits,
+        initial_state: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.service = service
         self.executor = executor
@@ -108,7 +140,7 @@ class PipelineDriver:
         self._clients = clients
         self._limits = limits
         self._input_name = next(s for s in part.segments if s.kind == "source").nodes[0]
-        self._initial_state: Mapping[str, torch.Tensor] | None = None
+        self._initial_state = initial_state
 
     @property
     def job(self) -> str:
@@ -123,138 +155,85 @@ class PipelineDriver:
         cls,
         transport: Transport,
         spec: ModelSpec,
-        assignment: Sequence[int] | Mapping[str, int] | None,
-        peers: Sequence[tuple[str, Sequence[str]]],
+        layout: RuntimeLayout,
+        options: JobOptions | None = None,
         *,
-        data_stage: int = 0,
-        n_micro_batches: int = 1,
-        optimizer: OptimizerConfig | None = None,
-        loss: str = "lm",
-        ratios: Mapping[int, float] | None = None,
-        timeout: float = 120.0,
-        job: str | None = None,
+        addresses: Mapping[str, Sequence[str]] | None = None,
         registry: ModelRegistry | None = None,
-        limits: ExecLimits | None = None,
-        link_ratios: Mapping[tuple[int, int], float] | None = None,
-        plan_version: int = 1,
-        expect_dag: str | None = None,
-        epoch: int = 0,
         initial_state: Mapping[str, torch.Tensor] | None = None,
-        in_flight: Sequence[int] | None = None,
-        ratio_warmup: RatioWarmup = NO_WARMUP,
     ) -> PipelineDriver:
         """Traces and splits the model, and sets up every stage.
 
-        ``peers[s]`` is ``(peer id, multiaddrs)`` of stage ``s``'s owner; the data
-        stage's entry is this process (its peer id must be the transport's). Without an
-        ``assignment`` (a stage per operator node) the stages get contiguous pieces of equal
-        forward FLOPs. ``link_ratios[(a, b)]`` compresses what stage ``a`` sends stage ``b``
-        with Top-K; ``ratios[b]`` does it for every stage's sends to ``b``. ``registry``
-        builds the model here (default: the built-in families, installed entry points and
-        ``spec.family`` itself if it is an import path, since this process chose it);
-        every stage peer builds it from its own registry. ``plan_version`` is what every
-        OpData of the job names; ``expect_dag`` the OP-DAG fingerprint the plan was made for;
-        ``epoch`` the coordinator epoch of a published plan (each stage checks it is in force).
-        ``initial_state`` (a checkpoint: every tensor by name, optimizer state as
-        ``name#key``) replaces the traced initial weights on every stage, this one included.
-        ``in_flight[s]``: the micro-batches stage ``s`` may hold at once (a plan's
-        ``RuntimeLayout.in_flight``; default ``JobSetup.for_stages``'s 1F1B depths).
-        ``ratio_warmup``: how every stage's Top-K ratios grow geometrically from 1
-        (dense) to the plan's over the job's first steps.
+        ``layout.peers[s]`` runs stage ``s``; the data stage is this process (its peer id
+        must be the transport's). ``addresses[peer]`` are multiaddrs to dial a peer at.
+        ``registry`` builds the model here (default: the built-in families, installed entry
+        points and ``spec.family`` itself if it is an import path, since this process chose
+        it); every stage peer builds it from its own registry. ``initial_state`` (a
+        checkpoint: every tensor by name, optimizer state as ``name#key``) replaces the
+        traced initial weights on every stage, this one included.
 
         Raises:
-            ConfigError: a bad assignment, loss, peer list or model config, or a checkpoint
-                that does not match the model.
+            ConfigError: a bad layout, options or model config, or a checkpoint that does
+                not match the model.
             ProtocolError / PeerUnreachableError: a stage refused its setup (the peer's
                 reason is in the message) or is unreachable.
         """
-        if loss not in LOSSES:
-            raise ConfigError(f"loss must be one of {sorted(LOSSES)}, got {loss!r}")
-        n_stages = len(peers)
-        if not 0 <= data_stage < n_stages or peers[data_stage][0] != transport.peer_id:
+        options = options or JobOptions()
+        addresses = addresses or {}
+        data_stage = layout.data_stage
+        if not 0 <= data_stage < len(layout.peers) or layout.peers[data_stage] != transport.peer_id:
             raise ConfigError(f"stage {data_stage} must be this data owner ({transport.peer_id[:12]})")
-        optimizer = optimizer or OptimizerConfig()
-        limits = limits or ExecLimits()
         registry = registry or ModelRegistry.for_data_owner(spec.family)
-        spec.resolve(registry)  # an unknown family or a bad config fails here, before any peer hears of it
-        job = job or uuid.uuid4().hex[:12]
-
-        def trace() -> tuple[TracedModel, Partition]:
-            traced = trace_spec(spec, registry)
-            if expect_dag is not None and traced.dag.fingerprint != expect_dag:
-                traced_to = traced.dag.fingerprint
-                raise ConfigError(f"the plan splits OP-DAG {expect_dag}, this model traced to {traced_to}")
-            stages = assignment
-            if stages is None:
-                stages = balanced_assignment([n.fwd_flops for n in traced.dag.nodes], n_stages)
-            return traced, partition(traced.program, stages, n_stages, data_stage=data_stage)
-
-        traced, part = await asyncio.to_thread(trace)
-        if expect_dag is not None and traced.dag.fingerprint != expect_dag:
-            raise ConfigError(
-                f"the plan splits OP-DAG {expect_dag}, this model traced to {traced.dag.fingerprint}"
-            )
+        resolve_spec(
+            spec, registry
+        )  # an unknown family or a bad config fails here, before any peer hears of it
+        traced, assignment, part = await asyncio.to_thread(
+            _trace_and_split, spec, registry, layout, options.expect_dag
+        )
         for note in part.moved:
             logger.info("assignment adjusted: %s", note)
-        links = dict(link_ratios or {})
-        for dst, ratio in (ratios or {}).items():  # the same ratio toward ``dst`` from every stage
-            links.update({(src, dst): ratio for src in range(n_stages) if src != dst})
-        setups = JobSetup.for_stages(
-            job,
-            spec,
-            traced,
-            part,
-            peers,
-            n_micro_batches=n_micro_batches,
-            optimizer=optimizer,
-            link_ratios=links,
-            plan_version=plan_version,
-            epoch=epoch,
-            planned=assignment if epoch and isinstance(assignment, Sequence) else None,
-            in_flight=in_flight,
-            ratio_warmup=ratio_warmup,
-        )
-        ratio_items = setups[data_stage].ratios
+        setups = stage_setups(spec, traced.dag.fingerprint, assignment, part, layout, options, addresses)
         executor = TorchExecutor(
             traced.program,
             part,
             data_stage,
-            job=job,
-            n_micro_batches=n_micro_batches,
-            optimizer=optimizer,
-            loss_fn=LOSSES[loss],
-            ratios=dict(ratio_items),
-            plan_version=plan_version,
-            ratio_warmup=ratio_warmup,
+            job=options.job,
+            n_micro_batches=options.n_micro_batches,
+            optimizer=options.optimizer,
+            loss_fn=LOSSES[options.loss],
+            ratios=dict(setups[data_stage].ratios),
+            plan_version=options.plan_version,
+            ratio_warmup=options.ratio_warmup,
         )
         if initial_state is not None:
             _check_checkpoint(traced, part, initial_state)
             own = _restore_tensors(part.params[data_stage], initial_state)
             await asyncio.to_thread(executor.load_state, safetensors.torch.save(own))
-        policy = ServicePolicy(accept_setups=False, max_jobs=1, limits=limits, timeout=timeout)
+        policy = ServicePolicy(
+            accept_setups=False, max_jobs=1, limits=options.limits, timeout=options.timeout
+        )
         service = await ExecutorService(transport, policy).start()
         service.install(executor, setups[data_stage], owner=transport.peer_id)
         clients = {
-            s: ExecClient(transport, peer_id, timeout=timeout)
-            for s, (peer_id, _) in enumerate(peers)
+            s: ExecClient(transport, peer_id, timeout=options.timeout)
+            for s, peer_id in enumerate(layout.peers)
             if s != data_stage
         }
-        driver = cls(service, executor, traced, part, setups, clients, limits)
-        driver._initial_state = initial_state
+        driver = cls(service, executor, traced, part, setups, clients, options.limits, initial_state)
         try:
-            for s, (peer_id, maddrs) in enumerate(peers):
-                if s != data_stage and maddrs:
-                    await transport.connect(peer_id, maddrs, timeout=timeout)
+            for s, peer_id in enumerate(layout.peers):
+                if s != data_stage and addresses.get(peer_id):
+                    await transport.connect(peer_id, addresses[peer_id], timeout=options.timeout)
             await asyncio.gather(*(driver._setup_stage(s) for s in clients))
         except BaseException:
             await driver.aclose()
             raise
         logger.info(
             "job %s: %d stages, %d segments, %d micro-batches",
-            job,
-            n_stages,
+            options.job,
+            len(layout.peers),
             len(part.segments),
-            n_micro_batches,
+            options.n_micro_batches,
         )
         return driver
 
@@ -271,7 +250,7 @@ class PipelineDriver:
         }
 
     async def _setup_stage(self, stage: int) -> None:
-        body = self.setups[stage].to_json()
+        body = self.setups[stage].to_wire()
         client = self._clients[stage]
         await client.request(ExecControl(command="setup", job=self.job, body_bytes=len(body)), body)
         tensors = self._stage_tensors(stage, trainable_only=False)
@@ -382,7 +361,7 @@ class PipelineDriver:
             merged.update(tensors)
         return merged
 
-    async def unresponsive(self, timeout: float = 5.0) -> list[str]:
+    async def unresponsive(self, timeout: float = DEFAULT_TIMEOUTS.ping) -> list[str]:
         """The stage owners that do not answer a ping within ``timeout`` s (dead or stopped);
         each is asked on a fresh stream, so a stuck request of the job cannot hide it."""
         ping = ExecControl(command="ping", job=self.job)
@@ -403,7 +382,7 @@ class PipelineDriver:
         answers = await asyncio.gather(*(alive(p) for p in peers))
         return [p for p, ok in zip(peers, answers, strict=True) if not ok]
 
-    async def aclose(self, teardown_timeout: float = 10.0) -> None:
+    async def aclose(self, teardown_timeout: float = DEFAULT_TIMEOUTS.teardown) -> None:
         """Tears the job down on every stage (best effort, each within ``teardown_timeout``
         s) and stops serving it here."""
         teardown = ExecControl(command="teardown", job=self.job)

@@ -16,11 +16,12 @@ from collections.abc import Callable
 from fusionp2p.config import format_bytes
 from fusionp2p.errors import ConfigError, LimitError
 from fusionp2p.opdag.families import ModelRegistry
+from fusionp2p.opdag.spec import resolve_spec
 from fusionp2p.opdag.split import Partition, partition
 from fusionp2p.opdag.trace import TracedModel, trace_spec
+from fusionp2p.records import JobSetup
 from fusionp2p.runtime.device_profile import free_memory
 from fusionp2p.runtime.executor import Executor
-from fusionp2p.runtime.job_setup import JobSetup
 from fusionp2p.runtime.memory import StageMemory, stage_memory
 from fusionp2p.runtime.torch_executor import TorchExecutor
 
@@ -71,7 +72,7 @@ def build_torch_stage(
             data owner's.
         LimitError: the stage would need more memory than allowed.
     """
-    family, _ = setup.spec.resolve(registry)
+    family, _ = resolve_spec(setup.spec, registry)
     allowed = memory_allowance(max_memory, device)
     try:
         traced, fake = trace_spec(setup.spec, registry, fake=True), True

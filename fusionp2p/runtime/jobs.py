@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from fusionp2p.config import ExecLimits
 from fusionp2p.net.limits import Reservation
 from fusionp2p.net.transport import Transport
-from fusionp2p.records import OpData
+from fusionp2p.records import JobSetup, OpData
 from fusionp2p.runtime.executor import Body, Executor, Message
-from fusionp2p.runtime.job_setup import JobSetup
 from fusionp2p.runtime.opdata_stream import OpDataSender
 
 __all__ = ["Job", "Notify", "Work"]

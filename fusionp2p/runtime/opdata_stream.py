@@ -22,10 +22,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from fusionp2p.config import DEFAULT_TIMEOUTS
 from fusionp2p.errors import DeadlineError, FusionP2PError, PeerUnreachableError
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.transport import FrameStream, Transport
-from fusionp2p.runtime.codec import CONTROL_REPLY_BYTES, CREDIT, EXEC_PROTOCOL, message_parts
+from fusionp2p.records import CONTROL_REPLY_BYTES, CREDIT, EXEC_PROTOCOL, message_prefix
 from fusionp2p.runtime.executor import Message
 
 __all__ = ["INITIAL_CREDIT", "OpDataSender"]
@@ -128,8 +129,8 @@ class OpDataSender:
                     self._unacked.append(size)
                     self._in_flight += size
                     written = True  # from here on, an ACK or a failure accounts for it
-                    parts = message_parts(message.header, message.body)
-                    await stream.send_parts(FrameKind.DATA, *parts, timeout=self.timeout)
+                    prefix = message_prefix(message.header)
+                    await stream.send_parts(FrameKind.DATA, prefix, message.body, timeout=self.timeout)
                     self._last_used = time.monotonic()
                     continue
             except TimeoutError:
@@ -214,5 +215,5 @@ class OpDataSender:
                 await self._writer
         if self._stream is not None:
             with contextlib.suppress(PeerUnreachableError):
-                await self._stream.send(FrameKind.END, timeout=2.0)
+                await self._stream.send(FrameKind.END, timeout=DEFAULT_TIMEOUTS.courtesy)
         await self._drop_stream()

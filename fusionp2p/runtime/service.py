@@ -24,13 +24,24 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
-from fusionp2p.config import format_bytes
+from fusionp2p.config import DEFAULT_TIMEOUTS, format_bytes
 from fusionp2p.errors import FusionP2PError, LimitError, PeerUnreachableError, ProtocolError
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.limits import InboundBudget, RejectionLog, Reservation, StreamGate
 from fusionp2p.net.transport import FrameStream, Transport
 from fusionp2p.opdag.families import ModelRegistry
-from fusionp2p.records import FETCHABLE, MAX_RECORD_BYTES, ExecControl, OpData
+from fusionp2p.records import (
+    CREDIT,
+    EXEC_PROTOCOL,
+    FETCHABLE,
+    MAX_RECORD_BYTES,
+    STEP_REPLY,
+    ExecControl,
+    ExecHeader,
+    JobSetup,
+    OpData,
+    pack_message,
+)
 from fusionp2p.runtime.admission import (
     ServicePolicy,
     admit_control,
@@ -39,19 +50,10 @@ from fusionp2p.runtime.admission import (
     check_setup,
     find_job,
 )
-from fusionp2p.runtime.codec import (
-    CREDIT,
-    EXEC_PROTOCOL,
-    STEP_REPLY,
-    ExecHeader,
-    pack_message,
-    read_message_header,
-    unpack_message,
-)
+from fusionp2p.runtime.codec import read_message_header, unpack_message
 from fusionp2p.runtime.compute import ComputeQueue
 from fusionp2p.runtime.engines import ENGINES, BuildStage
 from fusionp2p.runtime.executor import Executor, Message
-from fusionp2p.runtime.job_setup import JobSetup
 from fusionp2p.runtime.jobs import Job, Work, opdata_key
 from fusionp2p.runtime.throttle import Throttle
 
@@ -128,7 +130,9 @@ class ExecutorService:
         self.rejected += 1
         self._log.reject(reason, f"from {stream.remote}: {detail}" + (" (stream closed)" if close else ""))
         with contextlib.suppress(FusionP2PError):
-            await stream.send(FrameKind.ERROR, f"{reason}: {detail}".encode()[:2000], timeout=5.0)
+            await stream.send(
+                FrameKind.ERROR, f"{reason}: {detail}".encode()[:2000], timeout=DEFAULT_TIMEOUTS.courtesy
+            )
         if close:
             await stream.finish(timeout=self.policy.limits.stall_timeout / 10)
 
@@ -313,8 +317,8 @@ class ExecutorService:
 
     async def _setup(self, remote: str, name: str, body: bytes | bytearray) -> None:
         admit_setup(self.policy, self.jobs, self._setting_up, remote, name)
-        setup = JobSetup.from_json(body, self.policy.limits)
-        check_setup(setup, name, me=self.transport.peer_id, sender=remote)
+        setup = JobSetup.from_wire(body)
+        check_setup(setup, name, me=self.transport.peer_id, sender=remote, limits=self.policy.limits)
         if setup.epoch and self._plan_check is None:
             raise ProtocolError("this peer follows no coordinator: it cannot check a planned setup")
         build = self._engines.get(setup.engine)

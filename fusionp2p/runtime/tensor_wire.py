@@ -9,22 +9,12 @@ import torch
 
 from fusionp2p.compression import wire
 from fusionp2p.errors import ProtocolError, RecordError
-from fusionp2p.records import OpData, TopKHeader
+from fusionp2p.records import TOPK_VALUE_DTYPES, WIRE_DTYPES, OpData, TopKHeader
 from fusionp2p.runtime.executor import Body
 
 __all__ = ["DTYPES", "body_bytes", "decode_body", "encode_body", "encode_grad_at", "max_body_bytes"]
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in WIRE_DTYPES}
 assert sys.byteorder == "little", "the OpData wire format is little-endian"
 
 
@@ -33,14 +23,14 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def itemsize(name: str) -> int:
-    return DTYPES[name].itemsize
+    return WIRE_DTYPES[name]
 
 
 def max_body_bytes(shape: tuple[int, ...], dtype: str) -> int:
     """The largest body an OpData of such a tensor may carry: dense, or Top-K-compressed
     (float32 values at most; sparse only when smaller than those values sent dense)."""
     size = itemsize(dtype)
-    return math.prod(shape) * (max(size, 4) if dtype in wire.DTYPES else size)
+    return math.prod(shape) * (max(size, 4) if dtype in TOPK_VALUE_DTYPES else size)
 
 
 def body_bytes(header: OpData) -> int | None:
@@ -60,7 +50,7 @@ def encode_body(
     features); ``kept`` holds the positions sent when the body is sparse (else None). A
     dense body is a view of the tensor's own memory (no copy)."""
     tensor = tensor.detach().contiguous()
-    if ratio > 1 and tensor.dtype in (torch.float32, torch.float16, torch.bfloat16) and tensor.numel():
+    if ratio > 1 and dtype_name(tensor.dtype) in TOPK_VALUE_DTYPES and tensor.numel():
         encoded = wire.encode(tensor, ratio, rows=True)
         kept = encoded.indices if encoded.header.index_format != "dense" else None
         return encoded.header.to_wire(), encoded.body, kept

@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 
-from fusionp2p.compression import NO_WARMUP, RatioWarmup
-from fusionp2p.config import OptimizerConfig
+from fusionp2p.config import NO_WARMUP, OptimizerConfig, RatioWarmup
 from fusionp2p.errors import ProtocolError
 from fusionp2p.opdag.split import Partition, Segment
 from fusionp2p.records import OpData

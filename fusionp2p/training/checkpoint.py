@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from fusionp2p.errors import ConfigError
 
-__all__ = ["Checkpoint", "latest_checkpoint", "list_checkpoints", "save_checkpoint"]
+__all__ = ["Checkpoint", "latest_checkpoint", "list_checkpoints", "newest_resumable", "save_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,3 +89,18 @@ def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
     """The run's newest readable checkpoint, or None."""
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def newest_resumable(runs_dir: Path) -> tuple[Path, Checkpoint] | None:
+    """The newest run under ``runs_dir`` (a job's ``run_dir``) that has a checkpoint."""
+    if not runs_dir.is_dir():
+        return None
+    found = []
+    for run in runs_dir.iterdir():
+        checkpoint = latest_checkpoint(run) if run.is_dir() else None
+        if checkpoint is not None:
+            found.append((checkpoint.path.stat().st_mtime, run, checkpoint))
+    if not found:
+        return None
+    _, run, checkpoint = max(found, key=lambda f: f[0])
+    return run, checkpoint

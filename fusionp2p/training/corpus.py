@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from fusionp2p.errors import ConfigError
-from fusionp2p.training.data import Batch, seeded_batches
+from fusionp2p.training.batches import Batch, seeded_batches
 
 __all__ = ["BYTE_VOCAB", "TextCorpus", "stdlib_source_dir"]
 

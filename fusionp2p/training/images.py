@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusionp2p.training.data import Batch, seeded_batches
+from fusionp2p.training.batches import Batch, seeded_batches
 
 __all__ = ["DIGIT_CLASSES", "DigitImages"]
 

@@ -25,35 +25,33 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from hivemind.utils import get_dht_time
 
-from fusionp2p.compression import RatioWarmup
+from fusionp2p.config import DEFAULT_TIMEOUTS, RatioWarmup
 from fusionp2p.errors import ConfigError, CoordinatorError, FusionP2PError, LimitError, SwarmError
+from fusionp2p.net.connection import SwarmConnection
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.planning import PlanningError
 from fusionp2p.planning.calibrate import calibrate
 from fusionp2p.records import RUN_EVENT_CHARS, RUN_EVENTS, RunStatusRecord
-from fusionp2p.training.checkpoint import Checkpoint, latest_checkpoint, save_checkpoint
-from fusionp2p.training.data import Batch, TrainingData
+from fusionp2p.runtime.job_setup import JobOptions
+from fusionp2p.training.batches import Batch, TrainingData
+from fusionp2p.training.checkpoint import Checkpoint, save_checkpoint
 from fusionp2p.training.job_spec import JobSpec
-from fusionp2p.training.submit import SubmittedJob, plan_job_id
-from fusionp2p.training.supervision import CheckpointPolicy, EventLog, StepClock
+from fusionp2p.training.pipeline import Pipeline, start_planned
+from fusionp2p.training.submit import SubmittedJob, plan_job_id, submit_job
+from fusionp2p.training.supervision import CheckpointPolicy, EventLog
 
-if TYPE_CHECKING:
-    from fusionp2p.swarm import Pipeline, Swarm
-
-__all__ = ["JobRun", "StepFailed", "resumable"]
+__all__ = ["JobRun", "StepFailed"]
 
 logger = logging.getLogger(__name__)
 
 REPLAN_PATIENCE_S = 180.0  # how long a re-plan is retried (a coordinator may have to be elected)
-PING_TIMEOUT_S = 5.0
+REPLAN_RETRY_S = 2.0  # between two tries of a re-plan
 REPORT_PERIOD_S = 5.0  # how often the run's progress goes to the DHT
 REPORT_TTL_S = 300.0  # a report outlives a dead data owner this long
-TEARDOWN_TIMEOUT_S = 3.0
 
 
 class StepFailed(Exception):
@@ -69,7 +67,7 @@ class JobRun:
 
     def __init__(
         self,
-        swarm: Swarm,
+        connection: SwarmConnection,
         job: JobSpec,
         data: TrainingData,
         run_id: str,
@@ -79,7 +77,7 @@ class JobRun:
         registry: ModelRegistry | None = None,
         version: int = 0,
     ) -> None:
-        self.swarm = swarm
+        self.connection = connection
         self.job = job
         self.data = data
         self.run_id = run_id
@@ -95,7 +93,7 @@ class JobRun:
         self.submitted: SubmittedJob | None = None
         self.pipeline: Pipeline | None = None
         self.running_id = ""  # the wire id of the last plan set up (what a re-plan replaces)
-        self.clock = self._new_clock(0.0)
+        self.clock = job.step_clock(0.0)
         self._batches: Iterator[Batch] = iter(())
         self.loss = 0.0
         self._reported = 0.0
@@ -111,17 +109,6 @@ class JobRun:
         """Owners of the runtime stages 1.. (stage 0 is this process)."""
         return [p.peer_id for p in self.pipeline.peers] if self.pipeline is not None else []
 
-    def _new_clock(self, estimate_s: float) -> StepClock:
-        job = self.job
-        return StepClock(
-            deadline_s=job.deadline_s,
-            slack=job.deadline_slack,
-            factor=job.straggler_factor,
-            patience=job.straggler_steps,
-            min_excess_s=job.straggler_min_s,
-            estimate_s=estimate_s,
-        )
-
     def start(self, checkpoint: Checkpoint | None = None) -> SubmittedJob:
         """Plans the job and sets it up, from ``checkpoint`` if given (a resumed run)."""
         self.checkpoint = checkpoint
@@ -131,34 +118,48 @@ class JobRun:
         assert self.submitted is not None
         return self.submitted
 
-    def _plan_and_setup(
-        self, state: dict[str, torch.Tensor] | None, speeds: tuple[tuple[str, float], ...] = ()
-    ) -> None:
-        replaces = self.running_id
-        self.version += 1
-        submitted = self.swarm.submit(
+    async def _submit(self, replaces: str, speeds: tuple[tuple[str, float], ...]) -> SubmittedJob:
+        return await submit_job(
+            await self.connection.transport(),
+            self.connection.directory,
             self.job,
             registry=self.registry,
             run_id=self.wire_id,
             replaces=replaces,
             exclude=tuple(self.lost),
             speeds=speeds,
+            site=self.connection.site,
         )
-        self.pipeline = None
-        self.pipeline = self.swarm.pipeline(
-            self.job.model_spec(),
-            plan=submitted.plan,
+
+    def _plan_and_setup(
+        self, state: dict[str, torch.Tensor] | None, speeds: tuple[tuple[str, float], ...] = ()
+    ) -> None:
+        replaces = self.running_id
+        self.version += 1
+        submitted = self.connection.call(self._submit(replaces, speeds))
+        plan = submitted.plan
+        options = JobOptions(
+            job=submitted.run_id,
+            n_micro_batches=plan.n_micro_batches,
             optimizer=self.job.optimizer_config,
             loss=self.job.loss,
-            registry=self.registry,
             epoch=submitted.epoch,
-            job=submitted.run_id,
-            initial_state=state,
             ratio_warmup=RatioWarmup(self.job.ratio_warmup_steps, self.step),
+        )
+        self.pipeline = None
+        self.pipeline = self.connection.call(
+            start_planned(
+                self.connection,
+                self.job.model_spec(),
+                plan,
+                options,
+                registry=self.registry,
+                initial_state=state,
+            )
         )
         self.submitted = submitted
         self.running_id = submitted.run_id
-        self.clock = self._new_clock(submitted.plan.expected_s)
+        self.clock = self.job.step_clock(plan.expected_s)
         self.events.emit(
             "planned",
             f"plan version {self.version} (job {submitted.run_id}, epoch {submitted.epoch}, coordinator "
@@ -166,18 +167,8 @@ class JobRun:
             f"from step {self.step}",
             step=self.step,
             plan_version=self.version,
-            epoch=submitted.epoch,
-            coordinator=submitted.reply.coordinator,
             peers=self.stage_peers,
-            method=submitted.plan.method,
-            estimate_s=submitted.plan.expected_s,
-            stage_compute_estimate_s=[  # what a stage reports: its compute and its Top-K coding
-                round((c + k) * submitted.plan.n_micro_batches, 4)
-                for c, k in zip(
-                    submitted.plan.estimate.compute_s, submitted.plan.estimate.codec_s, strict=True
-                )
-            ],
-            ratios=sorted({round(r, 2) for r in submitted.plan.ratios.values()}),
+            **submitted.facts(),
         )
 
     def _rewind(self, step: int) -> None:
@@ -236,6 +227,11 @@ class JobRun:
             speed_factors={p[-8:]: round(f, 3) for p, f in result.factors.items()},
         )
 
+    def trainable(self) -> set[str]:
+        """The names of the model's trainable parameters (what the final weights hold)."""
+        assert self.pipeline is not None
+        return set(self.pipeline.driver.traced.program.graph_signature.inputs_to_parameters.values())
+
     def fetch_state(self) -> dict[str, torch.Tensor]:
         """Every stage's tensors and optimizer state.
 
@@ -275,7 +271,7 @@ class JobRun:
             return
         pipeline, self.pipeline = self.pipeline, None
         try:
-            pipeline.close(teardown_timeout=TEARDOWN_TIMEOUT_S)
+            pipeline.close(teardown_timeout=DEFAULT_TIMEOUTS.teardown)
         except Exception as e:  # the job is being abandoned: a failing teardown changes nothing
             logger.info("closing plan version %d: %s", self.version, e)
 
@@ -288,7 +284,7 @@ class JobRun:
                 ``REPLAN_PATIENCE_S`` s, or ``max_replans`` re-plans already.
         """
         failed_step = self.step + 1
-        silent = self.pipeline.unresponsive(PING_TIMEOUT_S) if self.pipeline is not None else []
+        silent = self.pipeline.unresponsive(DEFAULT_TIMEOUTS.ping) if self.pipeline is not None else []
         lost = [p for p in silent if p not in self.lost]
         who = ", ".join(p[-8:] for p in lost) or "none (every stage owner answers)"
         self.events.emit(
@@ -378,7 +374,7 @@ class JobRun:
                     f"re-plan (version {self.version}) failed: {str(e)[:200]}; trying again",
                     plan_version=self.version,
                 )
-                time.sleep(2.0)
+                time.sleep(REPLAN_RETRY_S)
 
     def report(self, loss: float | None = None, *, force: bool = False) -> None:
         """Publishes the run's progress and newest events to the DHT (``fusionp2p status``
@@ -406,26 +402,11 @@ class JobRun:
                 events=events,
                 updated_at=get_dht_time(),
             )
-            directory = self.swarm.directory
-            self.swarm.call(directory.publish_run(record, get_dht_time() + REPORT_TTL_S))
+            directory = self.connection.directory
+            self.connection.call(directory.publish_run(record, get_dht_time() + REPORT_TTL_S))
         except Exception as e:  # a report is a courtesy: training goes on without it
             logger.info("could not publish the run's status: %s", e)
 
     def close(self) -> None:
         """Tears the plan in force down (best effort)."""
         self._close()
-
-
-def resumable(job: JobSpec) -> tuple[Path, Checkpoint] | None:
-    """The newest run of ``job`` (under ``job.run_dir``) that has a checkpoint."""
-    if not job.run_dir.is_dir():
-        return None
-    found = []
-    for run in job.run_dir.iterdir():
-        checkpoint = latest_checkpoint(run) if run.is_dir() else None
-        if checkpoint is not None:
-            found.append((checkpoint.path.stat().st_mtime, run, checkpoint))
-    if not found:
-        return None
-    _, run, checkpoint = max(found, key=lambda f: f[0])
-    return run, checkpoint

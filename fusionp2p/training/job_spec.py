@@ -15,13 +15,14 @@ from typing import Any
 
 from fusionp2p.config import NAME_RE, OptimizerConfig
 from fusionp2p.errors import ConfigError
-from fusionp2p.opdag.spec import ModelSpec
-from fusionp2p.planning.cost import MAX_RATIO_LIMIT, NO_COMPRESSION, PLANNED_MAX_RATIO, CompressionPolicy
-from fusionp2p.training.data import DATA_KINDS
+from fusionp2p.planning.cost import PLANNED_MAX_RATIO
+from fusionp2p.records import COMPRESSIONS, MAX_MICRO_BATCHES, MAX_TOPK_RATIO, PLAN_METHODS, ModelSpec
+from fusionp2p.training.batches import TrainingData
+from fusionp2p.training.data import DATA_KINDS, load_data
+from fusionp2p.training.supervision import StepClock
 
-__all__ = ["COMPRESSIONS", "EXAMPLE_CONFIG", "JobSpec", "compression_policy"]
+__all__ = ["EXAMPLE_CONFIG", "JobSpec"]
 
-COMPRESSIONS = ("none", "uniform", "adaptive", "planned")
 _MAX_STEPS = 10_000_000
 
 EXAMPLE_CONFIG = """\
@@ -118,24 +119,6 @@ _TOML_FIELDS: dict[tuple[str, str], str] = {
 _WHERE = {f: (f"[{s}] {k}" if s else k) for (s, k), f in _TOML_FIELDS.items()}
 
 
-def compression_policy(name: str, max_ratio: float = PLANNED_MAX_RATIO) -> CompressionPolicy:
-    """The planner's policy for a job's ``compression``: "none", "adaptive" (the paper's),
-    "planned" (no link harder than ``max_ratio``) or "uniform" (``max_ratio`` on every link).
-
-    Raises:
-        ConfigError: another name.
-    """
-    if name == "none":
-        return NO_COMPRESSION
-    if name == "adaptive":
-        return CompressionPolicy(kind="adaptive")
-    if name == "uniform":
-        return CompressionPolicy(kind="uniform", ratio=max_ratio, max_ratio=max_ratio)
-    if name == "planned":
-        return CompressionPolicy(kind="planned", ratio=1.0, max_ratio=max_ratio)
-    raise ConfigError(f"[train] compression: must be one of {list(COMPRESSIONS)}, got {name!r:.40}")
-
-
 def _default_model() -> dict[str, Any]:
     return {"vocab_size": 256, "n_positions": 64, "n_embd": 128, "n_layer": 4, "n_head": 4}
 
@@ -218,8 +201,10 @@ class JobSpec:
             raise ConfigError(
                 f"[train] micro_batch_size: {self.micro_batch_size} must divide batch_size {self.batch_size}"
             )
-        if self.n_micro_batches > 4096:
-            raise ConfigError(f"[train] batch_size: more than 4096 micro-batches ({self.n_micro_batches})")
+        if self.n_micro_batches > MAX_MICRO_BATCHES:
+            raise ConfigError(
+                f"[train] batch_size: more than {MAX_MICRO_BATCHES} micro-batches ({self.n_micro_batches})"
+            )
         _check_float("lr", self.lr, 1e-12, 10.0)
         _check_float("weight_decay", self.weight_decay, 0.0, 10.0)
         if self.compression not in COMPRESSIONS:
@@ -227,9 +212,7 @@ class JobSpec:
                 f"[train] compression: must be one of {list(COMPRESSIONS)}, got {self.compression!r:.40}"
             )
         _check_int("ratio_warmup_steps", self.ratio_warmup_steps, 0, _MAX_STEPS)
-        _check_float("max_ratio", self.max_ratio, 1.0, MAX_RATIO_LIMIT)
-        from fusionp2p.data_owner import PLAN_METHODS
-
+        _check_float("max_ratio", self.max_ratio, 1.0, MAX_TOPK_RATIO)
         if self.plan_method not in PLAN_METHODS:
             raise ConfigError(
                 f"[train] plan_method: must be one of {list(PLAN_METHODS)}, got {self.plan_method!r:.40}"
@@ -280,6 +263,32 @@ class JobSpec:
             else (self.micro_batch_size, self.seq_len),
             input_dtype="float32" if images else "int64",
             seed=self.model_seed,
+        )
+
+    def step_clock(self, estimate_s: float) -> StepClock:
+        """The ``[fault]`` rules for a plan whose cost model estimates ``estimate_s`` a step."""
+        return StepClock(
+            deadline_s=self.deadline_s,
+            slack=self.deadline_slack,
+            factor=self.straggler_factor,
+            patience=self.straggler_steps,
+            min_excess_s=self.straggler_min_s,
+            estimate_s=estimate_s,
+        )
+
+    def load_data(self) -> TrainingData:
+        """The job's data (``training.data.load_data`` of its ``[data]`` table).
+
+        Raises:
+            ConfigError: a missing path, too little text.
+        """
+        return load_data(
+            self.data_kind,
+            path=self.data_path,
+            seq_len=self.seq_len,
+            max_bytes=self.max_bytes,
+            image_size=self.image_size,
+            channels=self.image_channels,
         )
 
     def with_(self, **changes: Any) -> JobSpec:

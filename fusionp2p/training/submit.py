@@ -13,21 +13,22 @@ import asyncio
 import logging
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from hivemind.utils import get_dht_time
 
+from fusionp2p.config import DEFAULT_TIMEOUTS
 from fusionp2p.coordination.election import find_coordinator, lease_in_force
-from fusionp2p.coordination.protocol import COORD_PROTOCOL, MAX_REPLY_BYTES, JobReply, JobRequest
-from fusionp2p.data_owner import probe_from, self_record
-from fusionp2p.errors import ConfigError, CoordinatorError, SwarmError
+from fusionp2p.errors import CoordinatorError, RecordError, SwarmError
 from fusionp2p.net.directory import SwarmDirectory, Unread
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.transport import Transport
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.trace import TracedModel, trace_spec
-from fusionp2p.planning import CostConfig, Plan, Topology
-from fusionp2p.records import PeerRecord
-from fusionp2p.training.job_spec import JobSpec, compression_policy
+from fusionp2p.planning import CostConfig, Plan, Topology, compression_policy
+from fusionp2p.records import COORD_PROTOCOL, JobReply, JobRequest, PeerRecord
+from fusionp2p.training.job_spec import JobSpec
+from fusionp2p.training.owner_records import probe_from, self_record
 
 __all__ = ["SubmittedJob", "new_run_id", "plan_job_id", "submit_job", "wait_for_peers"]
 
@@ -51,6 +52,21 @@ class SubmittedJob:
     @property
     def epoch(self) -> int:
         return self.reply.epoch
+
+    def facts(self) -> dict[str, Any]:
+        """What a run's ``planned`` event records of the plan."""
+        plan = self.plan
+        return {
+            "epoch": self.epoch,
+            "coordinator": self.reply.coordinator,
+            "method": plan.method,
+            "estimate_s": plan.expected_s,
+            "stage_compute_estimate_s": [  # what a stage reports: its compute and its Top-K coding
+                round((c + k) * plan.n_micro_batches, 4)
+                for c, k in zip(plan.estimate.compute_s, plan.estimate.codec_s, strict=True)
+            ],
+            "ratios": sorted({round(r, 2) for r in plan.ratios.values()}),
+        }
 
 
 def new_run_id(name: str) -> str:
@@ -92,7 +108,7 @@ async def submit_job(
     job: JobSpec,
     *,
     registry: ModelRegistry | None = None,
-    timeout: float = 120.0,
+    timeout: float = DEFAULT_TIMEOUTS.request,
     run_id: str | None = None,
     replaces: str = "",
     exclude: tuple[str, ...] = (),
@@ -147,8 +163,8 @@ async def submit_job(
         await transport.connect(holder, lease.maddrs, timeout=timeout)
     stream = await transport.open(holder, COORD_PROTOCOL, timeout=timeout)
     try:
-        await stream.send(FrameKind.DATA, request.to_json(), timeout=timeout)
-        kind, body = await stream.recv(max_payload=MAX_REPLY_BYTES, timeout=timeout)
+        await stream.send(FrameKind.DATA, request.to_wire(), timeout=timeout)
+        kind, body = await stream.recv(max_payload=JobReply.MAX_BYTES, timeout=timeout)
     finally:
         await stream.close()
     if kind is FrameKind.ERROR:
@@ -157,8 +173,8 @@ async def submit_job(
     if kind is not FrameKind.DATA:
         raise CoordinatorError(f"the coordinator {holder[-8:]} answered with a {kind.name} frame")
     try:
-        reply = JobReply.from_json(body)
-    except ConfigError as e:
+        reply = JobReply.from_wire(body)
+    except RecordError as e:
         raise CoordinatorError(f"the coordinator {holder[-8:]} sent a malformed reply: {e}") from e
     if reply.unread:
         logger.warning(

@@ -1,48 +1,45 @@
 """``train``: a data owner's whole job, from a ``JobSpec`` to saved weights.
 
 Submits the job (the coordinator plans it), prints the plan, sets it up over the peers,
-then runs the steps on batches of its own text (which never leave this process) with a
+then runs the steps on batches of its own data (which never leave this process) with a
 progress bar: loss, tokens/s, plan version, the slowest stage's peer and compute per step.
-Every step is a line of ``metrics.jsonl`` (and a TensorBoard scalar when tensorboard is
-installed); checkpoints (every stage's tensors and optimizer state) go to
-``checkpoints/`` every ``checkpoint_every`` steps (or as often as costs <= 10% when 0),
-fault-handling events to ``events.jsonl`` (``JobRun``: lost peers and stragglers are
-planned around), and at the end the weights are written as safetensors; transformers
-families also get ``save_pretrained``.
+Every step is a line of ``metrics.jsonl``; checkpoints (every stage's tensors and
+optimizer state) go to ``checkpoints/`` every ``checkpoint_every`` steps (or as often as
+costs <= 10% when 0), fault-handling events to ``events.jsonl`` (``JobRun``: lost peers
+and stragglers are planned around), and at the end the weights are written
+(``outputs.py``).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from fusionp2p.errors import ConfigError
+from fusionp2p.net.connection import SwarmConnection
 from fusionp2p.opdag.families import BUILTIN_FAMILIES, ModelRegistry
 from fusionp2p.opdag.lm_families import LM_FAMILIES
+from fusionp2p.opdag.spec import resolve_spec
 from fusionp2p.planning import cluster_peers
+from fusionp2p.training.checkpoint import newest_resumable
 from fusionp2p.training.corpus import BYTE_VOCAB
-from fusionp2p.training.data import load_data
 from fusionp2p.training.images import DIGIT_CLASSES
-from fusionp2p.training.job_run import JobRun, StepFailed, resumable
+from fusionp2p.training.job_run import JobRun, StepFailed
 from fusionp2p.training.job_spec import JobSpec
+from fusionp2p.training.outputs import MetricsLog, logged_losses, save_pretrained, save_weights
 from fusionp2p.training.submit import SubmittedJob, new_run_id
 from fusionp2p.training.supervision import EventLog
 
-if TYPE_CHECKING:
-    from fusionp2p.swarm import Swarm
+__all__ = ["TrainResult", "describe_submitted", "preflight", "train"]
 
-__all__ = ["TrainResult", "describe_submitted", "preflight", "save_weights", "train"]
-
-logger = logging.getLogger(__name__)
+Out = Callable[[str], Any]
 
 
 @dataclass
@@ -72,88 +69,6 @@ def describe_submitted(submitted: SubmittedJob) -> str:
         f"{len(clusters)} bandwidth cluster(s): {' | '.join(', '.join(c) for c in clusters)}",
     ]
     return "\n".join([*head, plan.describe(submitted.traced.dag)])
-
-
-def save_weights(params: dict[str, torch.Tensor], path: Path) -> Path:
-    """Writes ``params`` as safetensors (atomically: a crash never leaves half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_file({k: v.detach().contiguous().cpu() for k, v in params.items()}, str(tmp))
-    tmp.replace(path)
-    return path
-
-
-def _save_pretrained(job: JobSpec, params: dict[str, torch.Tensor], out: Path) -> Path | None:
-    """``save_pretrained`` of a transformers family's model holding ``params``; None for others
-    (or when a tensor the model needs is missing, with a warning)."""
-    spec = job.model_spec()
-    family, config = spec.resolve(ModelRegistry.for_data_owner(spec.family))
-    with torch.device("meta"):
-        wrapper = family.build(config)
-    inner = getattr(wrapper, "model", None)
-    if inner is None or not hasattr(inner, "save_pretrained"):
-        return None
-    state = dict(params)
-    aliases: dict[int, list[str]] = {}  # tied parameters are one tensor under several names
-    for name, param in wrapper.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(param), []).append(name)
-    for names in aliases.values():
-        held = [n for n in names if n in state]
-        for name in names:
-            if held:
-                state.setdefault(name, state[held[0]])
-    wrapper.load_state_dict(state, strict=False, assign=True)
-    missing = [n for n, t in wrapper.state_dict().items() if t.is_meta]
-    if missing:
-        logger.warning("no save_pretrained: the fetched weights miss %s", missing[:3])
-        return None
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    inner.save_pretrained(str(out))
-    return out
-
-
-class _Metrics:
-    """metrics.jsonl, plus TensorBoard scalars when tensorboard is installed."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.file = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
-        self.board: Any = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.board = SummaryWriter(str(run_dir / "tensorboard"))
-        except ImportError:
-            pass
-
-    def write(self, row: dict[str, Any]) -> None:
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
-        if self.board is not None:
-            for key in ("loss", "tokens_per_s", "images_per_s", "step_s"):
-                if key in row:
-                    self.board.add_scalar(key, row[key], row["step"])
-
-    def close(self) -> None:
-        self.file.close()
-        if self.board is not None:
-            self.board.close()
-
-
-def _progress(total: int, enabled: bool) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="step", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
-
-
-def _console(out: Any, progress: bool) -> Any:
-    """Where event lines go: above the progress bar while there is one."""
-    if not progress:
-        return out
-    from tqdm import tqdm
-
-    return lambda line: tqdm.write(line, file=sys.stderr)
 
 
 _LM_NAMES = frozenset(f.name for f in LM_FAMILIES)  # built-in families that take token ids
@@ -188,34 +103,156 @@ def preflight(job: JobSpec, registry: ModelRegistry | None = None) -> None:
                     f"[model.config] {key}: the digits have {DIGIT_CLASSES} classes, got {classes}"
                 )
     spec = job.model_spec()
-    spec.resolve(registry or ModelRegistry.for_data_owner(spec.family))
+    resolve_spec(spec, registry or ModelRegistry.for_data_owner(spec.family))
 
 
-def _previous_losses(run_dir: Path, upto: int) -> list[float]:
-    """The losses of steps 1..``upto`` from a run's metrics (the last row of each step)."""
-    by_step: dict[int, float] = {}
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                row = json.loads(line)
-                by_step[int(row["step"])] = float(row["loss"])
-            except (ValueError, KeyError, TypeError):
-                continue
-    return [by_step[s] for s in range(1, upto + 1) if s in by_step]
+def _progress(total: int, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="step", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+
+
+def _console(out: Out, progress: bool) -> Out:
+    """Where event lines go: above the progress bar while there is one."""
+    if not progress:
+        return out
+    from tqdm import tqdm
+
+    return lambda line: tqdm.write(line, file=sys.stderr)
+
+
+def _open_run(
+    connection: SwarmConnection,
+    job: JobSpec,
+    out: Out,
+    *,
+    progress: bool,
+    registry: ModelRegistry | None,
+    resume: bool,
+) -> tuple[JobRun, list[float]]:
+    """A new run of ``job`` or, with ``resume``, its newest run that has a checkpoint,
+    started on its first plan; the losses of the steps it already did.
+
+    Raises:
+        ConfigError: nothing to resume, or bad data.
+    """
+    data = job.load_data()
+    out(f"data: {data.describe()}")
+    found = newest_resumable(job.run_dir) if resume else None
+    if resume and found is None:
+        raise ConfigError(f"nothing to resume: no run of job {job.name} under {job.run_dir} has a checkpoint")
+    run_dir, checkpoint = found if found is not None else (job.run_dir / new_run_id(job.name), None)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "job.json").write_text(json.dumps(job.to_dict(), indent=2, default=str))
+    events = EventLog(run_dir / "events.jsonl", out=_console(out, progress))
+    done_versions = [int(e.get("plan_version", 0)) for e in EventLog.read(events.path)]
+    run = JobRun(
+        connection,
+        job,
+        data,
+        run_dir.name,
+        run_dir,
+        events,
+        registry=registry,
+        version=max(done_versions, default=0),
+    )
+    losses: list[float] = []
+    if checkpoint is not None:
+        losses = logged_losses(run_dir, checkpoint.step)
+        events.emit(
+            "resumed",
+            f"resuming run {run.run_id} from the checkpoint of step {checkpoint.step} (plan version "
+            f"{checkpoint.plan_version})",
+            step=checkpoint.step,
+        )
+    out(describe_submitted(run.start(checkpoint)))
+    return run, losses
+
+
+def _step_row(run: JobRun, loss: float, took: float, stage_seconds: list[float]) -> dict[str, Any]:
+    """The metrics row of the step ``run`` just did."""
+    per_step, unit = run.job.batch_size * run.data.units_per_sample, run.data.unit
+    assert run.submitted is not None
+    return {
+        "step": run.step,
+        "loss": loss,
+        unit: run.step * per_step,
+        "step_s": took,
+        f"{unit}_per_s": per_step / took,
+        "epoch": run.submitted.epoch,
+        "plan_version": run.version,
+        "peers": run.stage_peers,
+        "stage_compute_s": stage_seconds,
+        "time": time.time(),
+    }
+
+
+def _postfix(run: JobRun, row: dict[str, Any]) -> str:
+    """The progress bar's summary of a step: loss, speed, plan, the slowest stage."""
+    seconds = row["stage_compute_s"]
+    owners = ["data owner", *(p[-8:] for p in run.stage_peers)]
+    slowest = max(range(len(seconds)), key=seconds.__getitem__) if seconds else 0
+    who = owners[slowest] if slowest < len(owners) else "?"
+    unit = run.data.unit
+    return (
+        f"loss {row['loss']:.3f}, {row[f'{unit}_per_s']:.0f} {unit[:3]}/s, plan v{run.version}, "
+        f"slowest {who} ({seconds[slowest] if seconds else 0:.2f} s)"
+    )
+
+
+def _run_steps(
+    run: JobRun,
+    losses: list[float],
+    metrics: MetricsLog,
+    bar: Any,
+    on_step: Callable[[dict[str, Any]], None] | None,
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Steps ``run`` to the job's end, recovering from failed steps; the final trainable
+    weights and the last step's compute per stage."""
+    job = run.job
+    stage_seconds: list[float] = []
+    checkpoint_s: float | None = None  # the last checkpoint's cost, reported with the next step
+    while True:
+        try:
+            if run.step >= job.steps:
+                state = run.fetch_state()
+                return {k: v for k, v in state.items() if k in run.trainable()}, stage_seconds
+            loss, took = run.train_step()
+            assert run.pipeline is not None
+            stage_seconds = run.pipeline.stage_seconds()
+            del losses[run.step - 1 :]
+            losses.append(loss)
+            row = _step_row(run, loss, took, stage_seconds)
+            if checkpoint_s is not None:
+                row["checkpoint_s"] = checkpoint_s
+            metrics.write(row)  # the step's row first: a checkpoint of step N never exists without it
+            checkpoint_s = run.maybe_checkpoint() if run.step < job.steps else None
+            run.report(loss, force=run.step == job.steps)
+            bar.n = run.step
+            bar.set_postfix_str(_postfix(run, row))
+            bar.refresh()
+            if on_step is not None:
+                on_step(row)
+            if run.clock.straggling() and run.step < job.steps:
+                run.switch_for_straggler()
+        except StepFailed as failure:
+            run.recover(failure)
+            bar.n = run.step
+            bar.refresh()
 
 
 def train(
-    swarm: Swarm,
+    connection: SwarmConnection,
     job: JobSpec,
     *,
     progress: bool = True,
-    out: Any = print,
+    out: Out = print,
     registry: ModelRegistry | None = None,
     resume: bool = False,
     on_step: Callable[[dict[str, Any]], None] | None = None,
 ) -> TrainResult:
-    """Runs ``job`` on ``swarm`` with this process as the data owner (see the module doc).
+    """Runs ``job`` on ``connection``'s swarm with this process as the data owner (see the
+    module doc).
 
     A lost or stopped stage owner is planned around and the run goes on from its latest
     checkpoint; a straggler is re-planned around without losing a step (``JobRun``). With
@@ -230,108 +267,19 @@ def train(
             ``max_replans`` re-plans did not get the run through.
     """
     preflight(job, registry)
-    data = load_data(job)
-    out(f"data: {data.describe()}")
-    checkpoint = None
-    if resume:
-        found = resumable(job)
-        if found is None:
-            raise ConfigError(
-                f"nothing to resume: no run of job {job.name} under {job.run_dir} has a checkpoint"
-            )
-        run_dir, checkpoint = found
-        run_id = run_dir.name
-    else:
-        run_id = new_run_id(job.name)
-        run_dir = job.run_dir / run_id
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "job.json").write_text(json.dumps(job.to_dict(), indent=2, default=str))
-    events = EventLog(run_dir / "events.jsonl", out=_console(out, progress))
-    done_versions = [int(e.get("plan_version", 0)) for e in EventLog.read(events.path)]
-    run = JobRun(
-        swarm,
-        job,
-        data,
-        run_id,
-        run_dir,
-        events,
-        registry=registry,
-        version=max(done_versions, default=0),
-    )
     start = time.perf_counter()
-    losses: list[float] = []
-    if checkpoint is not None:
-        losses = _previous_losses(run_dir, checkpoint.step)
-        events.emit(
-            "resumed",
-            f"resuming run {run_id} from the checkpoint of step {checkpoint.step} (plan version "
-            f"{checkpoint.plan_version})",
-            step=checkpoint.step,
-        )
-    submitted = run.start(checkpoint)
-    out(describe_submitted(submitted))
-    metrics = _Metrics(run_dir)
-    per_step, unit = job.batch_size * data.units_per_sample, data.unit
-    stage_seconds: list[float] = []
-    params: dict[str, torch.Tensor] = {}
-    checkpoint_s: float | None = None  # the last checkpoint's cost, reported with the next step
+    run, losses = _open_run(connection, job, out, progress=progress, registry=registry, resume=resume)
+    metrics = MetricsLog(run.run_dir)
     try:
         bar = _progress(job.steps, progress)
         bar.update(run.step)
-        while True:
-            try:
-                if run.step >= job.steps:
-                    state = run.fetch_state()
-                    params = {k: v for k, v in state.items() if k in _trainable(run)}
-                    break
-                loss, took = run.train_step()
-                assert run.pipeline is not None and run.submitted is not None
-                stage_seconds = run.pipeline.stage_seconds()
-                del losses[run.step - 1 :]
-                losses.append(loss)
-                owners = ["data owner", *(p[-8:] for p in run.stage_peers)]
-                slowest = (
-                    max(range(len(stage_seconds)), key=stage_seconds.__getitem__) if stage_seconds else 0
-                )
-                who = owners[slowest] if slowest < len(owners) else "?"
-                row = {
-                    "step": run.step,
-                    "loss": loss,
-                    unit: run.step * per_step,
-                    "step_s": took,
-                    f"{unit}_per_s": per_step / took,
-                    "epoch": run.submitted.epoch,
-                    "plan_version": run.version,
-                    "peers": run.stage_peers,
-                    "stage_compute_s": stage_seconds,
-                    "time": time.time(),
-                }
-                if checkpoint_s is not None:
-                    row["checkpoint_s"] = checkpoint_s
-                # the step's row first: a checkpoint of step N must never exist without it
-                metrics.write(row)
-                checkpoint_s = run.maybe_checkpoint() if run.step < job.steps else None
-                run.report(loss, force=run.step == job.steps)
-                bar.n = run.step
-                bar.set_postfix_str(
-                    f"loss {loss:.3f}, {row[f'{unit}_per_s']:.0f} {unit[:3]}/s, plan v{run.version}, "
-                    f"slowest {who} ({stage_seconds[slowest] if stage_seconds else 0:.2f} s)"
-                )
-                bar.refresh()
-                if on_step is not None:
-                    on_step(row)
-                if run.clock.straggling() and run.step < job.steps:
-                    run.switch_for_straggler()
-            except StepFailed as failure:
-                run.recover(failure)
-                bar.n = run.step
-                bar.refresh()
+        params, stage_seconds = _run_steps(run, losses, metrics, bar, on_step)
         bar.close()
     finally:
         metrics.close()
         run.close()
-    weights = save_weights(params, run_dir / "weights.safetensors")
-    pretrained = _save_pretrained(job, params, run_dir / "pretrained")
+    weights = save_weights(params, run.run_dir / "weights.safetensors")
+    pretrained = save_pretrained(job.model_spec(), params, run.run_dir / "pretrained")
     seconds = time.perf_counter() - start
     window = max(1, min(10, len(losses) // 2))
     out(
@@ -343,11 +291,13 @@ def train(
     )
     assert run.submitted is not None
     return TrainResult(
-        run_id, losses, run.submitted, run_dir, weights, pretrained, seconds, stage_seconds, run.replans
+        run.run_id,
+        losses,
+        run.submitted,
+        run.run_dir,
+        weights,
+        pretrained,
+        seconds,
+        stage_seconds,
+        run.replans,
     )
-
-
-def _trainable(run: JobRun) -> set[str]:
-    assert run.pipeline is not None
-    program = run.pipeline.driver.traced.program
-    return set(program.graph_signature.inputs_to_parameters.values())

@@ -1,0 +1,194 @@
+"""The exec protocol's messages: control headers, a job's setup, and how a message is laid out.
+
+    frame payload = header_len:u16 | header (an OpData or ExecControl record) | body
+
+Every message gets one reply frame: ACK (an OpData's ACK carries ``CREDIT``, a step's
+``STEP_REPLY``), ERROR (a UTF-8 reason) or DATA (a fetch, itself a message). The body of a
+``setup`` is a ``JobSetup``; of ``weights``, safetensors bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import struct
+from dataclasses import dataclass
+from typing import Annotated, ClassVar
+
+from fusionp2p.config import NAME_RE, NO_WARMUP, PEER_ID_RE, OptimizerConfig, RatioWarmup
+from fusionp2p.errors import RecordError
+from fusionp2p.records.limits import MAX_MICRO_BATCHES, MAX_STAGES, MAX_TOPK_RATIO
+from fusionp2p.records.model import ModelSpec
+from fusionp2p.records.node_ranges import check_ranges, expand_ranges
+from fusionp2p.records.tensors import OpData
+from fusionp2p.records.wire import MAX_RECORD_BYTES, Limit, Range, WireRecord, unpack_body
+
+__all__ = [
+    "CONTROL_REPLY_BYTES",
+    "CREDIT",
+    "EXEC_COMMANDS",
+    "FETCHABLE",
+    "MESSAGE_HEADER_LEN",
+    "STEP_REPLY",
+    "ExecControl",
+    "ExecHeader",
+    "JobSetup",
+    "decode_exec_header",
+    "message_prefix",
+    "pack_message",
+    "split_message",
+]
+
+EXEC_COMMANDS = ("setup", "weights", "step", "fetch", "teardown", "ping")
+FETCHABLE = ("params", "grads", "state")  # state: every tensor and the optimizer's, for a checkpoint
+CONTROL_REPLY_BYTES = 4 << 10  # an ACK or an ERROR reason
+CREDIT = struct.Struct("!Q")  # an OpData ACK's payload: bytes the receiver takes in flight from this sender
+STEP_REPLY = struct.Struct("!dI")  # a step ACK's payload: seconds computed, most micro-batches held at once
+MESSAGE_HEADER_LEN = struct.Struct("!H")  # the length of the header record that starts a message
+_MAX_MADDRS = 8
+_MAX_COUNTER = 1 << 62
+_FINGERPRINT_RE = re.compile(r"^[\w.@:\-]{1,80}$")
+_ENGINE_RE = re.compile(r"^[a-z0-9_\-]{1,32}$")
+
+
+@dataclass(frozen=True)
+class ExecControl(WireRecord):
+    """A control message to an executor; its body (a JobSetup or safetensors) follows it."""
+
+    KIND: ClassVar[str] = "exec_control"
+
+    command: str  # one of EXEC_COMMANDS
+    job: str
+    iteration: int = 0
+    n_micro_batches: int = 0
+    what: str = ""  # fetch: one of FETCHABLE
+    body_bytes: int = 0  # length of the bytes that follow the header
+
+    def __post_init__(self) -> None:
+        if self.command not in EXEC_COMMANDS:
+            raise RecordError(f"ExecControl.command must be one of {EXEC_COMMANDS}, got {self.command!r}")
+        if min(self.iteration, self.n_micro_batches, self.body_bytes) < 0:
+            raise RecordError("ExecControl counters must be >= 0")
+
+
+ExecHeader = OpData | ExecControl
+
+
+def message_prefix(header: ExecHeader) -> bytes:
+    """The bytes a message starts with: the header's length and the header itself (the
+    body follows, written without a copy)."""
+    wire = header.to_wire()
+    return MESSAGE_HEADER_LEN.pack(len(wire)) + wire
+
+
+def pack_message(header: ExecHeader, body: bytes | bytearray = b"") -> bytes:
+    """A whole message (a copy: ``message_prefix`` and the body written one after the
+    other avoid it)."""
+    return message_prefix(header) + body
+
+
+def decode_exec_header(data: bytes | bytearray | memoryview) -> ExecHeader:
+    """An OpData or ExecControl header.
+
+    Raises:
+        RecordError: any other record, or not a valid one.
+    """
+    kind = unpack_body(data).get("kind")
+    for cls in (OpData, ExecControl):
+        if kind == cls.KIND:
+            return cls.from_wire(data)
+    raise RecordError(f"a {kind!r:.40} record is not an exec message header")
+
+
+def split_message(payload: bytes | bytearray) -> tuple[ExecHeader, bytes | bytearray]:
+    """A whole message's header and body.
+
+    Raises:
+        RecordError: too short, a header that is not an exec header, or a body whose length
+            disagrees with it.
+    """
+    if len(payload) < MESSAGE_HEADER_LEN.size:
+        raise RecordError(f"message of {len(payload)} bytes has no header")
+    (size,) = MESSAGE_HEADER_LEN.unpack_from(payload)
+    start = MESSAGE_HEADER_LEN.size
+    if size > MAX_RECORD_BYTES or start + size > len(payload):
+        raise RecordError(f"header of {size} bytes in a message of {len(payload)}")
+    header = decode_exec_header(payload[start : start + size])
+    body = payload[start + size :]
+    if len(body) != header.body_bytes:
+        raise RecordError(f"body of {len(body)} bytes, header says {header.body_bytes}")
+    return header, body
+
+
+@dataclass(frozen=True)
+class JobSetup(WireRecord):
+    """Everything a stage needs to build its executor: the body of a ``setup`` message."""
+
+    KIND: ClassVar[str] = "job_setup"
+    # 5: a msgpack record (it was JSON), stages' positions as node ranges (were runs)
+    VERSION: ClassVar[int] = 5
+    MAX_BYTES: ClassVar[int] = 16 << 20  # a peer reads at most its ExecLimits.control_bytes
+
+    job: Annotated[str, Limit(64)]  # 1-64 letters, digits, '-' or '_'
+    spec: ModelSpec
+    peers: Annotated[tuple[tuple[str, tuple[str, ...]], ...], Limit(MAX_STAGES)]  # per stage: (id, maddrs)
+    # per stage: the OP-DAG positions it runs (``node_ranges``), together every position once
+    node_ranges: Annotated[tuple[Annotated[tuple[int, ...], Limit(1 << 16)], ...], Limit(MAX_STAGES)]
+    stage: int  # the stage the receiving peer runs
+    data_stage: int  # the data owner's stage: raw inputs and the loss
+    n_micro_batches: Annotated[int, Range(1, MAX_MICRO_BATCHES)]
+    optimizer: OptimizerConfig
+    fingerprint: str  # OpDag.fingerprint of the data owner's traced model
+    # Top-K ratio of what this stage sends each other stage: (destination, ratio), ratio > 1
+    ratios: Annotated[
+        tuple[tuple[int, Annotated[float, Range(1.0, MAX_TOPK_RATIO)]], ...], Limit(MAX_STAGES)
+    ] = ()
+    in_flight: int = 1  # micro-batches unfinished at once (1F1B window); memory is checked for this many
+    engine: str = "torch"  # the execution engine that runs the stage (a PeerRecord lists its engines)
+    plan_version: Annotated[int, Range(0, _MAX_COUNTER)] = 1  # every OpData of the job names it
+    epoch: Annotated[int, Range(0, _MAX_COUNTER)] = 0  # the coordinator epoch of the plan; 0: none
+    ratio_warmup: RatioWarmup = NO_WARMUP  # Top-K ratios grow from 1 (dense) to the plan's
+
+    def __post_init__(self) -> None:
+        n = len(self.peers)
+        if not NAME_RE.match(self.job):
+            raise RecordError(f"setup job {self.job!r:.80} is not 1-64 letters, digits, '-' or '_'")
+        if not 1 <= n <= MAX_STAGES or len(self.node_ranges) != n:
+            raise RecordError(f"setup needs 1-{MAX_STAGES} stages, each with its peer and node ranges")
+        if not 0 <= self.stage < n or not 0 <= self.data_stage < n:
+            raise RecordError(f"setup stage {self.stage} / data stage {self.data_stage} not in [0, {n})")
+        for peer_id, maddrs in self.peers:
+            if not PEER_ID_RE.match(peer_id):
+                raise RecordError(f"setup peer id {peer_id!r:.80} is not a base58 PeerID")
+            if len(maddrs) > _MAX_MADDRS or any(not m.startswith("/") for m in maddrs):
+                raise RecordError(f"setup multiaddrs of {peer_id[:12]}: <= {_MAX_MADDRS} '/...' strings")
+        for s, ranges in enumerate(self.node_ranges):
+            check_ranges(ranges, f"setup node ranges of stage {s}")
+        if not self.assignment:  # checks that every position has exactly one stage
+            raise RecordError("setup node ranges name no OP-DAG position")
+        if not _FINGERPRINT_RE.match(self.fingerprint) or not _ENGINE_RE.match(self.engine):
+            raise RecordError(f"setup fingerprint {self.fingerprint!r:.80} or engine {self.engine!r:.40}")
+        if any(not 0 <= dst < n or dst == self.stage for dst, _ in self.ratios):
+            raise RecordError(f"setup ratios name stages outside [0, {n}) or this stage")
+        if not 1 <= self.in_flight <= self.n_micro_batches:
+            raise RecordError(f"setup in_flight {self.in_flight} not in [1, {self.n_micro_batches}]")
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.peers)
+
+    @functools.cached_property
+    def assignment(self) -> tuple[int, ...]:
+        """The stage of each OP-DAG position."""
+        owner: dict[int, int] = {}
+        for stage, ranges in enumerate(self.node_ranges):
+            for pos in expand_ranges(ranges):
+                if pos in owner:
+                    raise RecordError(f"setup gives OP-DAG position {pos} to two stages")
+                owner[pos] = stage
+        if sorted(owner) != list(range(len(owner))):
+            raise RecordError("setup node ranges leave OP-DAG positions to no stage")
+        return tuple(owner[i] for i in range(len(owner)))
+
+    def peer_of(self, stage: int) -> str:
+        return self.peers[stage][0]

@@ -1,0 +1,193 @@
+"""``Pipeline``: a job driven from this process (the data owner) over a swarm's peers.
+
+``start_planned`` sets up a plan's layout (its peers must still be live), ``start_fixed``
+splits the model by hand over the fastest live peers. Either way every method of the
+``Pipeline`` blocks until the swarm answers; inputs, labels and the loss stay here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, TypeVar
+
+import torch
+
+from fusionp2p.config import DEFAULT_TIMEOUTS
+from fusionp2p.errors import ConfigError, DeadlineError, SwarmError
+from fusionp2p.net.connection import SwarmConnection
+from fusionp2p.opdag.families import ModelRegistry
+from fusionp2p.opdag.split import Partition
+from fusionp2p.planning import NO_COMPRESSION, CostConfig, Plan, RuntimeLayout, Topology, estimate_segments
+from fusionp2p.planning.estimate import Estimate
+from fusionp2p.records import ModelSpec, PeerRecord
+from fusionp2p.runtime.driver import PipelineDriver
+from fusionp2p.runtime.job_setup import JobOptions
+
+__all__ = ["Pipeline", "start_fixed", "start_planned"]
+
+T = TypeVar("T")
+Tensors = Mapping[str, torch.Tensor]
+
+
+async def _within(coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:
+    try:
+        return await asyncio.wait_for(coro, timeout)
+    except asyncio.TimeoutError:
+        raise DeadlineError(f"{what} did not finish within {timeout:.1f} s") from None
+
+
+class Pipeline:
+    """A training job driven from this process over peers of a swarm (``DataOwner.pipeline``)."""
+
+    def __init__(
+        self,
+        connection: SwarmConnection,
+        driver: PipelineDriver,
+        peers: list[PeerRecord],
+        *,
+        plan: Plan | None = None,
+    ) -> None:
+        self._connection = connection
+        self.driver = driver
+        self.peers = peers  # the owners of stages 1.. (stage 0 is this process)
+        self.plan = plan  # what it runs, when it was planned
+
+    def estimate(self, topology: Topology, *, cost: CostConfig | None = None) -> Estimate:
+        """The cost model's estimate of what this pipeline runs (its real partition, this
+        process's own stage included) on ``topology`` (``DataOwner.topology()``)."""
+        part = self.driver.partition
+        owners = [peer for peer, _ in self.driver.setups[0].peers]
+        segments = [(owners[seg.stage], seg.nodes) for seg in part.segments if seg.kind == "ops"]
+        ratios = {
+            (owners[a], owners[b]): r for a, setup in enumerate(self.driver.setups) for b, r in setup.ratios
+        }
+        cost = cost or CostConfig(n_micro_batches=self.driver.n_micro_batches, compression=NO_COMPRESSION)
+        return estimate_segments(self.driver.traced.dag, topology, segments, cost, ratios)
+
+    @property
+    def partition(self) -> Partition:
+        return self.driver.partition
+
+    def train_step(
+        self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, timeout: float | None = None
+    ) -> float:
+        """One iteration (one ``(inputs, labels)`` per micro-batch) and an optimizer step.
+
+        Raises:
+            DeadlineError: it did not finish within ``timeout`` s (the pipeline is then in
+                an unknown state: close it).
+            ProtocolError / PeerUnreachableError: a stage failed or is gone.
+        """
+        return self._connection.call(_within(self.driver.train_step(batches), timeout, "the step"))
+
+    def unresponsive(self, timeout: float = DEFAULT_TIMEOUTS.ping) -> list[str]:
+        """The stage owners that do not answer a ping within ``timeout`` s."""
+        return self._connection.call(self.driver.unresponsive(timeout))
+
+    def run_iteration(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+        """Forward and backward only; then ``fetch("grads")`` or ``step()``."""
+        return self._connection.call(self.driver.run_iteration(batches))
+
+    def step(self) -> None:
+        self._connection.call(self.driver.step())
+
+    def stage_seconds(self) -> list[float]:
+        """Per runtime stage (0 is this process): seconds it computed in the last iteration."""
+        return list(self.driver.stage_seconds)
+
+    def fetch(self, what: str = "params", *, timeout: float | None = None) -> dict[str, torch.Tensor]:
+        """All stages' parameters (``"params"``), this iteration's gradients (``"grads"``), or
+        a checkpoint's worth of state (``"state"``: every tensor and the optimizer's).
+
+        Raises:
+            DeadlineError: not within ``timeout`` s. ProtocolError / PeerUnreachableError.
+        """
+        return self._connection.call(_within(self.driver.fetch(what), timeout, f"fetching {what}"))
+
+    def close(self, teardown_timeout: float = DEFAULT_TIMEOUTS.teardown) -> None:
+        """Tears the job down on its stages (each within ``teardown_timeout`` s, best effort)."""
+        self._connection.call(self.driver.aclose(teardown_timeout))
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def _live_peers(connection: SwarmConnection) -> dict[str, PeerRecord]:
+    return dict(await connection.directory.fetch_peers())
+
+
+async def start_planned(
+    connection: SwarmConnection,
+    spec: ModelSpec,
+    plan: Plan,
+    options: JobOptions,
+    *,
+    registry: ModelRegistry | None = None,
+    initial_state: Tensors | None = None,
+) -> Pipeline:
+    """Sets ``plan`` up with this process as its data owner (``Plan.layout``); every OpData
+    of the job names the plan's version.
+
+    Raises:
+        ConfigError: ``options`` are for another micro-batch count than the plan's, or the
+            plan is of another model.
+        SwarmError: a peer of the plan is no longer live.
+        ProtocolError / PeerUnreachableError: a stage refused its setup or is unreachable.
+    """
+    if options.n_micro_batches != plan.n_micro_batches:
+        raise ConfigError(
+            f"the plan is for {plan.n_micro_batches} micro-batches, not {options.n_micro_batches}: plan again"
+        )
+    live = await _live_peers(connection)
+    transport = await connection.transport()
+    layout = plan.layout(transport.peer_id)
+    missing = [p[-8:] for p in layout.peers[1:] if p not in live]
+    if missing:
+        raise SwarmError(f"peers {missing} of the plan are no longer live: plan again")
+    options = replace(options, plan_version=plan.version, expect_dag=plan.dag)
+    driver = await PipelineDriver.create(
+        transport,
+        spec,
+        layout,
+        options,
+        addresses={p: live[p].maddrs for p in layout.peers[1:]},
+        registry=registry,
+        initial_state=initial_state,
+    )
+    return Pipeline(connection, driver, [live[p] for p in layout.peers[1:]], plan=plan)
+
+
+async def start_fixed(
+    connection: SwarmConnection,
+    spec: ModelSpec,
+    n_stages: int,
+    options: JobOptions,
+    *,
+    assignment: Sequence[int] | Mapping[str, int] | None = None,
+    ratios: Mapping[tuple[int, int], float] | None = None,
+    registry: ModelRegistry | None = None,
+) -> Pipeline:
+    """Splits ``spec``'s model over this process (stage 0) and the ``n_stages - 1`` fastest
+    live peers: by ``assignment`` (a stage per operator node, or per node name), else in
+    contiguous pieces of equal forward FLOPs; ``ratios[(a, b)]`` compresses what stage
+    ``a`` sends stage ``b``.
+
+    Raises:
+        SwarmError: fewer live peers than ``n_stages - 1``.
+        ConfigError / ProtocolError / PeerUnreachableError: see ``PipelineDriver.create``.
+    """
+    live = await _live_peers(connection)
+    peers = sorted(live.values(), key=lambda p: -p.fp32_flops)[: n_stages - 1]
+    if len(peers) < n_stages - 1:
+        raise SwarmError(f"{n_stages} stages need {n_stages - 1} live peers, the swarm has {len(peers)}")
+    transport = await connection.transport()
+    layout = RuntimeLayout((transport.peer_id, *(p.peer_id for p in peers)), assignment, ratios or {})
+    driver = await PipelineDriver.create(
+        transport, spec, layout, options, addresses={p.peer_id: p.maddrs for p in peers}, registry=registry
+    )
+    return Pipeline(connection, driver, peers)
