@@ -1,19 +1,9 @@
 """fusionp2p: decentralized training of one model over many peers (after FusionLLM).
 
-The layers, lowest first (each imports only from those below it; ``docs/architecture.md``
-draws them):
-
-- ``errors.py``, ``config.py``, ``version.py``: the FusionP2PError tree; validated config
-  dataclasses; the version.
-- ``records/``: every byte that crosses a process boundary, versioned and validated.
-- ``opdag/``: the OP-DAG IR, model families and specs, tracing, splitting.
-- ``planning/``: cost model, OP-Fence, baselines, the Plan (pure).
-- ``compression/``: Top-K, its wire packing, error feedback (CUDA sources in ``kernels/``).
-- ``net/``: identity, the DHT and its directory, frames, transports, probes, a client's connection.
-- ``runtime/``: device profiling, the stage server, executors, the data owner's pipeline driver.
-- ``coordination/``: the lease and its election, the coordinator, a stage's check of the plan.
-- ``training/``: the data owner's role: job specs, data, submission, pipelines, the run.
-- ``peer.py``, ``swarm.py``, ``launch.py``, ``viz.py``, ``cli*.py``: composition.
+The public API is below (``__all__``): ``Swarm`` reads a swarm, ``DataOwner`` trains a
+``JobSpec`` on it, ``PeerConfig`` runs a peer. The subpackages and the layers they form
+(each importing only from those below it) are drawn in ``docs/architecture.md``; each
+subpackage's ``__init__`` maps its own files.
 """
 
 from fusionp2p.config import DEFAULT_SWARM, ExecLimits, OptimizerConfig, PeerConfig, ProbeConfig, Timeouts

@@ -107,6 +107,8 @@ class Timeouts:
     dht: float = 15.0  # one DHT get or store
     shutdown: float = 10.0  # leaving the swarm cleanly
     request: float = 120.0  # one request of a data owner to a stage or the coordinator
+    serve: float = 60.0  # a server answering one request, or a stage finishing its part of an iteration
+    frame: float = 30.0  # one frame written to a stream
     ping: float = 5.0  # a stage owner answering a liveness ping
     teardown: float = 3.0  # one stage tearing a job down
     courtesy: float = 2.0  # a last frame (END, ERROR) sent before a stream closes
@@ -118,6 +120,8 @@ class Timeouts:
             dht=self.dht,
             shutdown=self.shutdown,
             request=self.request,
+            serve=self.serve,
+            frame=self.frame,
             ping=self.ping,
             teardown=self.teardown,
             courtesy=self.courtesy,

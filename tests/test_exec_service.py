@@ -22,7 +22,8 @@ from fusionp2p.config import ExecLimits, OptimizerConfig, RatioWarmup
 from fusionp2p.errors import LimitError, PeerUnreachableError, RecordError
 from fusionp2p.net.framing import FRAME_VERSION, HEADER, FrameKind
 from fusionp2p.net.limits import InboundBudget
-from fusionp2p.net.transport import FrameStream, MemoryTransport
+from fusionp2p.net.memory_transport import MemoryTransport
+from fusionp2p.net.transport import FrameStream
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.planning import RuntimeLayout
 from fusionp2p.records import EXEC_PROTOCOL, ExecControl, JobSetup, ModelSpec, pack_message

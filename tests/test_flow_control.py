@@ -19,7 +19,8 @@ from exec_helpers import Identities, user_model_swarm
 from fusionp2p.config import OptimizerConfig
 from fusionp2p.launch import LocalSwarm
 from fusionp2p.net.framing import FrameKind
-from fusionp2p.net.transport import FrameStream, MemoryTransport
+from fusionp2p.net.memory_transport import MemoryTransport
+from fusionp2p.net.transport import FrameStream
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.spec import build_model
 from fusionp2p.planning import RuntimeLayout

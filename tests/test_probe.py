@@ -6,8 +6,9 @@ import pytest
 from fusionp2p.config import ProbeConfig
 from fusionp2p.errors import PeerUnreachableError, ProtocolError
 from fusionp2p.net.framing import FrameKind
+from fusionp2p.net.memory_transport import MemoryTransport
 from fusionp2p.net.probe import NEAR_LINKS, LinkEstimator, LinkSample, probe_link, serve_probe
-from fusionp2p.net.transport import MemoryTransport, RateLimitedTransport
+from fusionp2p.net.transport import RateLimitedTransport
 from fusionp2p.records import MAX_LINKS_PER_PEER, PROBE_PROTOCOL
 
 

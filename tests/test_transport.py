@@ -10,9 +10,9 @@ from hivemind.p2p import P2P
 
 from fusionp2p.errors import PeerUnreachableError, ProtocolError
 from fusionp2p.net.framing import FrameKind
+from fusionp2p.net.memory_transport import MemoryTransport
 from fusionp2p.net.transport import (
     FrameStream,
-    MemoryTransport,
     P2PTransport,
     RateLimitedTransport,
     TokenBucket,

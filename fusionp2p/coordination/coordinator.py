@@ -77,7 +77,7 @@ class Coordinator:
         keeper: LeaseKeeper,
         registry: ModelRegistry,
         *,
-        timeout: float = 60.0,
+        timeout: float = DEFAULT_TIMEOUTS.serve,
         gate: StreamGate | None = None,
     ) -> None:
         self.transport = transport

@@ -7,7 +7,8 @@
 - ``directory_view.py``: a reader's cached view of the directory that refreshes what fell due.
 - ``framing.py``: length-prefixed frames with a size limit and deadlines.
 - ``limits.py``: stream counts, inbound byte budgets and rate-limited rejection logs.
-- ``transport.py``: frame streams over libp2p, a rate-limited wrapper, an in-memory one.
+- ``transport.py``: frame streams over libp2p and a rate-limited wrapper;
+  ``memory_transport.py``: in-memory streams for unit tests.
 - ``probe.py``: bandwidth and RTT probes, and the link estimator.
 - ``connection.py``: SwarmConnection, a process's place in a swarm when it is not a peer.
 

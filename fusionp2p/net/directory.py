@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import hivemind
 from hivemind.utils import get_dht_time
 
+from fusionp2p.config import DEFAULT_TIMEOUTS
 from fusionp2p.errors import IncompleteReadError, RecordError, SwarmError
 from fusionp2p.records import (
     LINKS_PER_SET,
@@ -106,7 +107,12 @@ class SwarmDirectory:
     """
 
     def __init__(
-        self, dht: hivemind.DHT, swarm: str, *, owner_marker: bytes = b"", timeout: float = 15.0
+        self,
+        dht: hivemind.DHT,
+        swarm: str,
+        *,
+        owner_marker: bytes = b"",
+        timeout: float = DEFAULT_TIMEOUTS.dht,
     ) -> None:
         self.dht = dht
         self.swarm = swarm

@@ -6,7 +6,7 @@ peer for a protocol name, ``serve`` a protocol with a handler. Three implementat
 - ``P2PTransport``: long-lived libp2p binary streams through hivemind's p2pd (the real one);
 - ``RateLimitedTransport``: wraps another transport and paces every outgoing byte with a
   token bucket (a user's upload cap; tests use it to create a link of known rate);
-- ``MemoryTransport``: in-process streams for unit tests.
+- ``MemoryTransport`` (``memory_transport.py``): in-process streams for unit tests.
 
 Every stream is a ``FrameStream``: the same framing and limits on every transport.
 """
@@ -25,6 +25,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import raise_if_failed, read_pbmsg_s
 from hivemind.proto import p2pd_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
+from fusionp2p.config import DEFAULT_TIMEOUTS
 from fusionp2p.errors import PeerUnreachableError, ProtocolError
 from fusionp2p.net.framing import (
     FRAME_VERSION,
@@ -41,16 +42,19 @@ from fusionp2p.net.limits import RejectionLog, StreamGate
 
 __all__ = [
     "FrameStream",
-    "MemoryTransport",
     "P2PTransport",
     "RateLimitedTransport",
     "StreamHandler",
     "TokenBucket",
     "Transport",
+    "rejection_log",
+    "run_handler",
 ]
 
 logger = logging.getLogger(__name__)
 _PACE_CHUNK = 64 << 10
+_COURTESY = DEFAULT_TIMEOUTS.courtesy  # the ERROR frame that says why a stream is refused
+_FINISH = DEFAULT_TIMEOUTS.courtesy / 4  # reading what the refused sender still sends
 
 
 class TokenBucket:
@@ -103,7 +107,11 @@ class FrameStream:
         self._bucket = bucket
 
     async def send(
-        self, kind: FrameKind, payload: bytes | bytearray | memoryview = b"", *, timeout: float = 30.0
+        self,
+        kind: FrameKind,
+        payload: bytes | bytearray | memoryview = b"",
+        *,
+        timeout: float = DEFAULT_TIMEOUTS.frame,
     ) -> None:
         """Sends one frame, paced by this stream's token bucket if it has one.
 
@@ -113,7 +121,7 @@ class FrameStream:
         await self.send_parts(kind, payload, timeout=timeout)
 
     async def send_parts(
-        self, kind: FrameKind, *parts: bytes | bytearray | memoryview, timeout: float = 30.0
+        self, kind: FrameKind, *parts: bytes | bytearray | memoryview, timeout: float = DEFAULT_TIMEOUTS.frame
     ) -> None:
         """Sends one frame whose payload is ``parts`` one after the other (see ``send``)."""
         try:
@@ -161,7 +169,7 @@ class FrameStream:
         """Reads and drops ``n`` bytes of the current frame."""
         await skip_exactly(self._reader, n, stall_timeout=stall_timeout)
 
-    async def finish(self, *, drain_bytes: int = 1 << 20, timeout: float = 2.0) -> None:
+    async def finish(self, *, drain_bytes: int = 1 << 20, timeout: float = DEFAULT_TIMEOUTS.courtesy) -> None:
         """Ends a stream this side is refusing: stops writing, then reads and drops what the
         peer still sends (at most ``drain_bytes`` for ``timeout`` s) so that the last frame
         (an ERROR) is delivered instead of being lost to a reset; then closes. Never raises."""
@@ -221,27 +229,30 @@ class Transport(abc.ABC):
         """Stops serving; open streams are closed by their users."""
 
 
-async def _run_handler(
+async def run_handler(
     handler: StreamHandler,
     stream: FrameStream,
     protocol: str,
     gate: StreamGate | None,
     rejections: RejectionLog,
 ) -> None:
+    """Serves one inbound ``stream`` of ``protocol`` with ``handler``, if ``gate`` lets its
+    sender in: a protocol error gets an ERROR frame and one logged line, any other
+    failure a log line; the stream is always closed, and the server serves on."""
     refused = gate.enter(stream.remote) if gate is not None else None
     try:
         if refused is not None:
             rejections.reject(f"{protocol} stream refused", f"from {stream.remote}: {refused}")
             with contextlib.suppress(Exception):
-                await stream.send(FrameKind.ERROR, f"refused: {refused}".encode(), timeout=2.0)
-            await stream.finish(timeout=0.5)
+                await stream.send(FrameKind.ERROR, f"refused: {refused}".encode(), timeout=_COURTESY)
+            await stream.finish(timeout=_FINISH)
             return
         await handler(stream)
     except ProtocolError as e:  # a malformed stream: tell the sender why, log one line, serve on
         rejections.reject(f"{protocol} frame rejected", f"from {stream.remote}: {e}")
         with contextlib.suppress(Exception):
-            await stream.send(FrameKind.ERROR, str(e).encode()[:2000], timeout=2.0)
-        await stream.finish(timeout=0.5)
+            await stream.send(FrameKind.ERROR, str(e).encode()[:2000], timeout=_COURTESY)
+        await stream.finish(timeout=_FINISH)
     except PeerUnreachableError as e:
         logger.debug("%s stream from %s ended: %s", protocol, stream.remote, e)
     except Exception as e:  # a bad peer must never take the server down
@@ -252,7 +263,8 @@ async def _run_handler(
         await stream.close()
 
 
-def _rejection_log() -> RejectionLog:
+def rejection_log() -> RejectionLog:
+    """A transport's log of refused streams and frames (one line per kind, rate-limited)."""
     return RejectionLog(logger, "protocol error")
 
 
@@ -262,7 +274,7 @@ class P2PTransport(Transport):
     def __init__(self, p2p: P2P) -> None:
         self._p2p = p2p
         self._protocols: list[str] = []
-        self._rejections = _rejection_log()
+        self._rejections = rejection_log()
 
     @property
     def peer_id(self) -> str:
@@ -308,7 +320,7 @@ class P2PTransport(Transport):
     async def serve(self, protocol: str, handler: StreamHandler, *, gate: StreamGate | None = None) -> None:
         async def on_stream(info, reader, writer) -> None:
             stream = FrameStream(info.peer_id.to_base58(), reader, writer)
-            await _run_handler(handler, stream, protocol, gate, self._rejections)
+            await run_handler(handler, stream, protocol, gate, self._rejections)
 
         await self._p2p.add_binary_stream_handler(protocol, on_stream)
         self._protocols.append(protocol)
@@ -355,75 +367,3 @@ class RateLimitedTransport(Transport):
 
     async def aclose(self) -> None:
         await self._inner.aclose()
-
-
-class _MemoryWriter:
-    """The writing half of an in-memory stream: feeds the other side's reader."""
-
-    def __init__(self, peer_reader: asyncio.StreamReader) -> None:
-        self._peer_reader = peer_reader
-        self._closed = False
-
-    def can_write_eof(self) -> bool:
-        return True
-
-    def write_eof(self) -> None:
-        self.close()
-
-    def write(self, data: bytes | memoryview) -> None:
-        if self._closed:
-            raise ConnectionResetError("stream is closed")
-        self._peer_reader.feed_data(bytes(data))
-
-    async def drain(self) -> None:
-        await asyncio.sleep(0)
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._peer_reader.feed_eof()
-
-    async def wait_closed(self) -> None:
-        return None
-
-
-class MemoryTransport(Transport):
-    """In-process transport: every MemoryTransport sharing one ``hub`` dict can reach the others."""
-
-    def __init__(self, peer_id: str, hub: dict[str, MemoryTransport]) -> None:
-        self._peer_id = peer_id
-        self._hub = hub
-        self._handlers: dict[str, tuple[StreamHandler, StreamGate | None]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._rejections = _rejection_log()
-        hub[peer_id] = self
-
-    @property
-    def peer_id(self) -> str:
-        return self._peer_id
-
-    async def open(self, peer_id: str, protocol: str, *, timeout: float) -> FrameStream:
-        remote = self._hub.get(peer_id)
-        if remote is None or protocol not in remote._handlers:
-            raise PeerUnreachableError(f"no {protocol} handler at {peer_id[:12]}")
-        near_reader, far_reader = asyncio.StreamReader(), asyncio.StreamReader()
-        near = FrameStream(peer_id, near_reader, _MemoryWriter(far_reader))  # type: ignore[arg-type]
-        far = FrameStream(self._peer_id, far_reader, _MemoryWriter(near_reader))  # type: ignore[arg-type]
-        handler, gate = remote._handlers[protocol]
-        task = asyncio.create_task(_run_handler(handler, far, protocol, gate, remote._rejections))
-        remote._tasks.add(task)
-        task.add_done_callback(remote._tasks.discard)
-        return near
-
-    async def serve(self, protocol: str, handler: StreamHandler, *, gate: StreamGate | None = None) -> None:
-        self._handlers[protocol] = (handler, gate)
-
-    async def stop_serving(self, protocol: str) -> None:
-        self._handlers.pop(protocol, None)
-
-    async def aclose(self) -> None:
-        self._handlers.clear()
-        self._hub.pop(self._peer_id, None)
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)

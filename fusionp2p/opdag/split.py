@@ -163,29 +163,10 @@ def _value_info(node: torch.fx.Node) -> ValueInfo | None:
     return None
 
 
-def partition(
-    program: Any,
-    assignment: Mapping[str, int] | Sequence[int],
-    n_stages: int,
-    *,
-    data_stage: int = 0,
-) -> Partition:
-    """Normalizes ``assignment`` (node name -> stage, or one stage per operator node in
-    graph order) and cuts it into segments.
-
-    Raises:
-        ConfigError: a stage out of range, an assignment of the wrong length or naming
-            unknown nodes, or a graph this runtime cannot split (buffer mutation).
-    """
-    graph: torch.fx.Graph = program.graph
-    signature = program.graph_signature
-    if signature.buffers_to_mutate:
-        raise ConfigError(
-            f"models that mutate buffers cannot be split yet: {sorted(signature.buffers_to_mutate)}"
-        )
-    if not 0 <= data_stage < n_stages:
-        raise ConfigError(f"data_stage {data_stage} not in [0, {n_stages})")
-    ops = op_node_names(graph)
+def _initial_stages(
+    ops: list[str], assignment: Mapping[str, int] | Sequence[int], n_stages: int
+) -> dict[str, int]:
+    """The stage of every operator node as ``assignment`` gives it, checked."""
     if isinstance(assignment, Mapping):
         unknown = set(assignment) - set(ops)
         if unknown:
@@ -201,93 +182,125 @@ def partition(
     bad = {s for s in stage_of.values() if not 0 <= s < n_stages}
     if bad:
         raise ConfigError(f"assignment uses stages {sorted(bad)} outside [0, {n_stages})")
+    return stage_of
 
-    nodes = {n.name: n for n in graph.nodes}
-    user_inputs = [n.name for n in graph.nodes if n.op == "placeholder" and n.name in signature.user_inputs]
-    state_of_placeholder = {
-        **signature.inputs_to_parameters,
-        **signature.inputs_to_buffers,
-        **getattr(signature, "inputs_to_lifted_tensor_constants", {}),
-    }
-    moved: list[str] = []
 
-    def move(name: str, stage: int, why: str) -> None:
-        if stage_of[name] != stage:
-            moved.append(f"{name}: stage {stage_of[name]} -> {stage} ({why})")
-            stage_of[name] = stage
+class _Normalizer:
+    """Moves nodes until the assignment runs exactly (``partition``'s rules), noting each move."""
 
-    # Raw inputs, and integer tensors computed from them, stay with the data owner.
-    raw = set(user_inputs)
-    for name in ops:
-        node = nodes[name]
-        if any(a.name in raw for a in node.all_input_nodes):
-            move(name, data_stage, "reads raw input")
-            info = _value_info(node)
-            if info is not None and not info.is_float:
-                raw.add(name)
-
-    def glue_tuples() -> None:
-        for name in ops:
-            node = nodes[name]
-            if node.target is operator.getitem:
-                move(name, stage_of[node.args[0].name], "element of a tuple")
-
-    for name in user_inputs:
-        stage_of[name] = data_stage
-    stage_of[LOSS] = data_stage
-    reads: dict[str, tuple[str, ...]] = {}
-    for node in graph.nodes:
-        if node.op in ("call_function", "output"):
-            reads[node.name] = tuple(
-                dict.fromkeys(a.name for a in node.all_input_nodes if a.name not in state_of_placeholder)
+    def __init__(self, program: Any, stage_of: dict[str, int], data_stage: int) -> None:
+        graph: torch.fx.Graph = program.graph
+        signature = program.graph_signature
+        self.graph = graph
+        self.stage_of = stage_of
+        self.data_stage = data_stage
+        self.ops = op_node_names(graph)
+        self.nodes = {n.name: n for n in graph.nodes}
+        self.user_inputs = [
+            n.name for n in graph.nodes if n.op == "placeholder" and n.name in signature.user_inputs
+        ]
+        self.state_of_placeholder: dict[str, str] = {
+            **signature.inputs_to_parameters,
+            **signature.inputs_to_buffers,
+            **getattr(signature, "inputs_to_lifted_tensor_constants", {}),
+        }
+        self.moved: list[str] = []
+        # what each node (and the loss) reads from other nodes: parameters are not values
+        self.reads = {
+            node.name: tuple(
+                dict.fromkeys(a.name for a in node.all_input_nodes if a.name not in self.state_of_placeholder)
             )
+            for node in graph.nodes
+            if node.op in ("call_function", "output")
+        }
 
-    while True:
-        before = len(moved)
-        glue_tuples()
-        for placeholder, target in state_of_placeholder.items():
-            users = [u.name for u in nodes[placeholder].users if u.op == "call_function"]
-            stages = {stage_of[u] for u in users}
+    def move(self, name: str, stage: int, why: str) -> None:
+        if self.stage_of[name] != stage:
+            self.moved.append(f"{name}: stage {self.stage_of[name]} -> {stage} ({why})")
+            self.stage_of[name] = stage
+
+    def keep_raw_inputs(self) -> None:
+        """Raw inputs, and integer tensors computed from them, stay with the data owner."""
+        raw = set(self.user_inputs)
+        for name in self.ops:
+            node = self.nodes[name]
+            if any(a.name in raw for a in node.all_input_nodes):
+                self.move(name, self.data_stage, "reads raw input")
+                info = _value_info(node)
+                if info is not None and not info.is_float:
+                    raw.add(name)
+        for name in self.user_inputs:
+            self.stage_of[name] = self.data_stage
+        self.stage_of[LOSS] = self.data_stage
+
+    def glue_tuples(self) -> None:
+        for name in self.ops:
+            node = self.nodes[name]
+            if node.target is operator.getitem:
+                self.move(name, self.stage_of[node.args[0].name], "element of a tuple")
+
+    def one_stage_per_parameter(self) -> None:
+        """All users of a parameter run on one stage (the data owner's if it is one of theirs)."""
+        for placeholder, target in self.state_of_placeholder.items():
+            users = [u.name for u in self.nodes[placeholder].users if u.op == "call_function"]
+            stages = {self.stage_of[u] for u in users}
             if len(stages) > 1:
-                home = data_stage if data_stage in stages else stage_of[users[0]]
+                home = self.data_stage if self.data_stage in stages else self.stage_of[users[0]]
                 for u in users:
-                    move(u, home, f"shares {target}")
-        glue_tuples()
-        wave = _waves(graph, reads, stage_of, user_inputs)
-        # A segment that reads nothing from other segments would wait for a trigger that
-        # never comes on another stage: such nodes (positions, masks) run on the data owner.
+                    self.move(u, home, f"shares {target}")
+
+    def triggers_on_the_data_owner(self, wave: Mapping[str, int]) -> None:
+        """A segment that reads nothing from other segments would wait for a trigger that
+        never comes on another stage: such nodes (positions, masks) run on the data owner."""
         first_wave: dict[tuple[int, int], list[str]] = {}
-        for name in ops:
-            if stage_of[name] != data_stage:
-                first_wave.setdefault((stage_of[name], wave[name]), []).append(name)
+        for name in self.ops:
+            if self.stage_of[name] != self.data_stage:
+                first_wave.setdefault((self.stage_of[name], wave[name]), []).append(name)
         for group in first_wave.values():
             members = set(group)
-            if all(src in members for n in group for src in reads[n]):
+            if all(src in members for n in group for src in self.reads[n]):
                 for n in group:
-                    move(n, data_stage, "reads nothing from other stages")
-        if len(moved) == before:
-            break
+                    self.move(n, self.data_stage, "reads nothing from other stages")
 
-    values: dict[str, ValueInfo] = {}
-    # Every value that crosses stages must be one tensor.
+    def run(self) -> dict[str, int]:
+        """Applies every rule until none moves a node; the waves of the result."""
+        self.keep_raw_inputs()
+        while True:
+            before = len(self.moved)
+            self.glue_tuples()
+            self.one_stage_per_parameter()
+            self.glue_tuples()
+            wave = _waves(self.graph, self.reads, self.stage_of, self.user_inputs)
+            self.triggers_on_the_data_owner(wave)
+            if len(self.moved) == before:
+                return wave
+
+
+def _segments(
+    norm: _Normalizer, wave: Mapping[str, int]
+) -> tuple[tuple[Segment, ...], dict[str, int], dict[str, list[int]], dict[str, ValueInfo]]:
+    """The normalized assignment cut into segments (a stage's nodes of one wave), each
+    segment's crossing inputs and outputs, who reads each value, and every crossing value.
+
+    Raises:
+        ConfigError: a value crossing stages is not one tensor.
+    """
+    stage_of, reads, nodes = norm.stage_of, norm.reads, norm.nodes
     for name, srcs in reads.items():
         for src in srcs:
-            if stage_of[src] != stage_of[name]:
-                info = _value_info(nodes[src])
-                if info is None:
-                    raise ConfigError(f"{src!r} -> {name!r} crosses stages but is not one tensor")
-
-    keys: dict[tuple[str, int, int], list[str]] = {("source", data_stage, -1): list(user_inputs)}
-    for name in ops:
+            if stage_of[src] != stage_of[name] and _value_info(nodes[src]) is None:
+                raise ConfigError(f"{src!r} -> {name!r} crosses stages but is not one tensor")
+    keys: dict[tuple[str, int, int], list[str]] = {("source", norm.data_stage, -1): list(norm.user_inputs)}
+    for name in norm.ops:
         keys.setdefault(("ops", stage_of[name], wave[name]), []).append(name)
     ordered = sorted(keys, key=lambda k: (k[2], k[1]))
-    ordered.append(("loss", data_stage, wave[LOSS]))
+    ordered.append(("loss", norm.data_stage, wave[LOSS]))
     keys[ordered[-1]] = [LOSS]
     segment_of = {n: i for i, key in enumerate(ordered) for n in keys[key]}
-
     seg_inputs: list[list[str]] = [[] for _ in ordered]
     seg_outputs: list[list[str]] = [[] for _ in ordered]
     readers: dict[str, list[int]] = {}
+    values: dict[str, ValueInfo] = {}
     for name, srcs in reads.items():
         for src in srcs:
             a, b = segment_of[src], segment_of[name]
@@ -300,26 +313,45 @@ def partition(
             if b not in readers.setdefault(src, []):
                 readers[src].append(b)
             info = _value_info(nodes[src])
-            assert info is not None or stage_of[src] == stage_of[name]
-            if info is not None:
+            if info is not None:  # else both sides are one stage (checked above)
                 values[src] = info
     segments = tuple(
         Segment(
-            i,
-            key[1],
-            max(key[2], 0),
-            tuple(keys[key]),
-            tuple(seg_inputs[i]),
-            tuple(seg_outputs[i]),
-            key[0],
+            i, key[1], max(key[2], 0), tuple(keys[key]), tuple(seg_inputs[i]), tuple(seg_outputs[i]), key[0]
         )
         for i, key in enumerate(ordered)
     )
+    return segments, segment_of, readers, values
+
+
+def partition(
+    program: Any,
+    assignment: Mapping[str, int] | Sequence[int],
+    n_stages: int,
+    *,
+    data_stage: int = 0,
+) -> Partition:
+    """Normalizes ``assignment`` (node name -> stage, or one stage per operator node in
+    graph order) and cuts it into segments.
+
+    Raises:
+        ConfigError: a stage out of range, an assignment of the wrong length or naming
+            unknown nodes, or a graph this runtime cannot split (buffer mutation).
+    """
+    graph: torch.fx.Graph = program.graph
+    mutated = program.graph_signature.buffers_to_mutate
+    if mutated:
+        raise ConfigError(f"models that mutate buffers cannot be split yet: {sorted(mutated)}")
+    if not 0 <= data_stage < n_stages:
+        raise ConfigError(f"data_stage {data_stage} not in [0, {n_stages})")
+    stage_of = _initial_stages(op_node_names(graph), assignment, n_stages)
+    norm = _Normalizer(program, stage_of, data_stage)
+    wave = norm.run()
+    segments, segment_of, readers, values = _segments(norm, wave)
     params: dict[int, list[str]] = {s: [] for s in range(n_stages)}
-    for placeholder, target in state_of_placeholder.items():
-        for stage in dict.fromkeys(
-            stage_of[u.name] for u in nodes[placeholder].users if u.op == "call_function"
-        ):
+    for placeholder, target in norm.state_of_placeholder.items():
+        users = norm.nodes[placeholder].users
+        for stage in dict.fromkeys(stage_of[u.name] for u in users if u.op == "call_function"):
             params[stage].append(target)
     return Partition(
         n_stages=n_stages,
@@ -329,12 +361,12 @@ def partition(
         segment_of=segment_of,
         readers={k: tuple(v) for k, v in readers.items()},
         reader_names={
-            (value, seg_id): tuple(n for n in segments[seg_id].nodes if value in reads[n])
+            (value, seg_id): tuple(n for n in segments[seg_id].nodes if value in norm.reads[n])
             for value, seg_ids in readers.items()
             for seg_id in seg_ids
         },
         values=values,
         params={k: tuple(v) for k, v in params.items()},
-        moved=tuple(moved),
+        moved=tuple(norm.moved),
         fingerprint=graph_fingerprint(graph),
     )

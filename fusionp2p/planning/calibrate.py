@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from fusionp2p.opdag.ir import OpDag
 from fusionp2p.planning.cost import CostConfig
-from fusionp2p.planning.estimate import Estimate, estimate
+from fusionp2p.planning.estimate import Estimate, Estimated, estimate
 from fusionp2p.planning.plan import Plan
 from fusionp2p.planning.topology import Topology
 
@@ -25,20 +25,11 @@ __all__ = ["Calibration", "calibrate"]
 
 
 @dataclass(frozen=True)
-class Calibration:
+class Calibration(Estimated):
     """The re-estimate and, per peer, its measured speed over its profiled one."""
 
     estimate: Estimate
     factors: dict[str, float]  # peer id -> speed factor (< 1: slower than profiled)
-
-    @property
-    def iteration_s(self) -> float:
-        return self.estimate.iteration_s
-
-    @property
-    def expected_s(self) -> float:
-        """The re-estimated step time (``Estimate.expected_s``)."""
-        return self.estimate.expected_s
 
 
 def calibrate(

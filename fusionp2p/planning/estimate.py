@@ -39,7 +39,7 @@ from fusionp2p.planning.cost import (
 from fusionp2p.planning.schedule import Hop, simulate
 from fusionp2p.planning.topology import PlanningError, Topology
 
-__all__ = ["Estimate", "LinkEstimate", "Stage", "estimate", "estimate_segments", "shared_bandwidth"]
+__all__ = ["Estimate", "Estimated", "LinkEstimate", "Stage", "estimate", "estimate_segments", "shared_bandwidth"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,22 @@ class Estimate:
         """The scheduled iteration time, or inf when the partition does not fit in memory:
         what a step of this plan is expected to take."""
         return self.scheduled_s if self.fits else float("inf")
+
+
+class Estimated:
+    """What carries an ``estimate`` (a plan, a re-estimate): its times, read through."""
+
+    estimate: Estimate
+
+    @property
+    def iteration_s(self) -> float:
+        """What the partition was chosen by (``Estimate.iteration_s``)."""
+        return self.estimate.iteration_s
+
+    @property
+    def expected_s(self) -> float:
+        """What a step is expected to take (``Estimate.expected_s``)."""
+        return self.estimate.expected_s
 
 
 def _critical_path(fwd: np.ndarray, bwd: np.ndarray, hops: Sequence[tuple[int, int, float, float]]) -> float:

@@ -39,18 +39,18 @@ import numpy as np
 from fusionp2p.opdag.ir import OpDag
 from fusionp2p.planning.chain import ChainCosts
 from fusionp2p.planning.cluster import ClusterMethod, cluster_peers, inter_cluster_bandwidth
-from fusionp2p.planning.cost import CostConfig, planned_budgets, planned_ratios
-from fusionp2p.planning.estimate import Estimate, Stage, estimate
+from fusionp2p.planning.cost import CostConfig
+from fusionp2p.planning.estimate import Estimate, Stage
 from fusionp2p.planning.fit import explain_no_fit
 from fusionp2p.planning.local_search import improve
 from fusionp2p.planning.plan import Plan
+from fusionp2p.planning.sequence_search import search_sequence
 from fusionp2p.planning.topology import PlanningError, Topology
 
-__all__ = ["cluster_orders", "contiguous_stages", "op_fence", "search_sequence"]
+__all__ = ["cluster_orders", "op_fence"]
 
 logger = logging.getLogger(__name__)
 
-_CAP_FACTORS = (1.0, 1.15, 1.5, 2.5, math.inf)
 _EVERY_ORDER = 6  # up to this many candidates, OP-Fence tries every peer order (720: ~1 s)
 _SEEDED_ORDERS = 8  # up to this many, also orders by memory and 256 seeded random ones
 _MIN_PER_CLUSTER = 6  # a cluster the search visits offers at least this many candidates
@@ -71,190 +71,6 @@ def cluster_orders(topo: Topology, clusters: list[list[int]], max_orders: int = 
             left.remove(nxt)
         orders.append(tuple(order))
     return orders[:max_orders]
-
-
-def contiguous_stages(assignment: Sequence[tuple[int, int, int]]) -> list[Stage]:
-    """Stages from (peer, start, end) triples over the topological order."""
-    return [Stage(peer, tuple(range(s, e))) for peer, s, e in assignment]
-
-
-def _positions(ch: ChainCosts, max_positions: int) -> np.ndarray:
-    """Cut positions the DP may use: all, or quantiles of the work for a very long OP-DAG."""
-    if ch.n <= max_positions:
-        return np.arange(ch.n + 1)
-    work = ch.flops_fwd + ch.flops_bwd
-    targets = np.linspace(0, work[-1], max_positions + 1)
-    pos = np.unique(np.clip(np.searchsorted(work, targets), 0, ch.n))
-    return np.union1d(pos, [0, ch.n])
-
-
-def _dp(
-    stage: np.ndarray, link_fill: np.ndarray, link_max: np.ndarray, cap: float | None
-) -> tuple[float, list[tuple[int, int, int]]]:
-    """One DP pass over K cut positions and m sequence slots, from the end of the OP-DAG.
-
-    ``stage[d, j, s, e]``: seconds of slot j covering positions s..e (indices into the cut
-    positions) while it holds the activations of d + 1 micro-batches (inf where that does
-    not fit; the last depth stands for that many or more); ``link_*[l, j, s]``: link l -> j
-    at position s. Stage k of S holds ``min(n_b, S - k)`` micro-batches (``cost.in_flight``),
-    the number of stages from it to the end, so the DP runs over suffixes and knows that
-    depth exactly. ``cap is None`` minimizes the bottleneck; otherwise the critical path
-    with every element <= cap. Returns the value and (slot, s, e) triples.
-    """
-    depth, m, k1, _ = stage.shape
-    last = k1 - 1
-    value = np.full((depth, m, k1), np.inf)  # [d, j, s]: positions s.. with their first stage on j
-    back = np.full((depth, m, k1, 3), -1, dtype=int)  # the next stage's slot, start and depth
-    later = np.triu(np.ones((m, m), dtype=bool), 1)[:, :, None]  # [j, l]: slot l comes after slot j
-    rows = np.arange(m)
-    followers = [[dn for dn in range(depth) if min(dn + 1, depth - 1) == d] for d in range(depth)]
-    for s in range(last - 1, -1, -1):
-        alone = stage[0, :, s, last]  # the last stage holds one micro-batch
-        value[0, :, s] = alone if cap is None else np.where(alone <= cap, alone, np.inf)
-        if s + 1 >= last or m < 2:
-            continue
-        width = last - s - 1
-        lk_max = link_max[:, :, s + 1 : last]  # [j, l, e]
-        lk_fill = link_fill[:, :, s + 1 : last]
-        for d in range(depth):
-            st = stage[d, :, s, s + 1 : last][:, None, :]  # [j, 1, e]
-            for dn in followers[d]:
-                prev = value[dn, :, s + 1 : last][None, :, :]  # [1, l, e]
-                if cap is None:
-                    cand = np.maximum(np.maximum(prev, lk_max), st)
-                else:
-                    cand = np.where((lk_max <= cap) & (st <= cap), prev + lk_fill + st, np.inf)
-                cand = np.where(later, cand, np.inf).reshape(m, -1)  # [j, l*e]
-                idx = np.argmin(cand, axis=1)
-                found = cand[rows, idx]
-                better = found < value[d, :, s]
-                value[d, :, s] = np.where(better, found, value[d, :, s])
-                for col, new in enumerate((idx // width, idx % width + s + 1, np.full(m, dn))):
-                    back[d, :, s, col] = np.where(better, new, back[d, :, s, col])
-    d, j = (int(x) for x in np.unravel_index(int(np.argmin(value[:, :, 0])), (depth, m)))
-    total = float(value[d, j, 0])
-    if not math.isfinite(total):
-        return total, []
-    out, s = [], 0
-    while True:
-        nxt, e, dn = (int(x) for x in back[d, j, s])
-        if nxt < 0:
-            out.append((j, s, last))
-            return total, out
-        out.append((j, s, e))
-        j, s, d = nxt, e, dn
-
-
-def _dp_depths(
-    stage: np.ndarray, link_fill: np.ndarray, link_max: np.ndarray, cap: float | None
-) -> tuple[float, list[tuple[int, int, int]]]:
-    """``_dp`` with every stage's in-flight depth, computed cheaply when memory is loose:
-    first as if every stage held one micro-batch (a relaxation: its optimum is a lower
-    bound); when that optimum fits with its true depths it is the optimum, else the DP
-    runs again over every depth."""
-    total, triples = _dp(stage[:1], link_fill, link_max, cap)
-    if stage.shape[0] == 1 or not triples:
-        return total, triples
-    n = len(triples)
-    depth = stage.shape[0]
-    if all(np.isfinite(stage[min(n - k, depth) - 1, j, s, e]) for k, (j, s, e) in enumerate(triples)):
-        return total, triples
-    return _dp(stage, link_fill, link_max, cap)
-
-
-def _stage_depths(ch: ChainCosts, seq: Sequence[int], n_micro_batches: int, pos: np.ndarray) -> np.ndarray:
-    """``[d, j, s, e]``: each slot's stage matrices holding 1, 2, ... micro-batches, up to
-    the first depth from which memory no longer makes a difference."""
-    most = max(1, min(n_micro_batches, len(seq)))
-    mats = [np.stack([ch.stage_matrix(p, held, pos) for p in seq]) for held in range(1, most + 1)]
-    used = most
-    while used > 1 and np.array_equal(mats[used - 2], mats[-1]):
-        used -= 1
-    return np.stack(mats[:used])
-
-
-def search_sequence(
-    dag: OpDag,
-    topo: Topology,
-    cost: CostConfig,
-    seq: Sequence[int],
-    *,
-    max_positions: int = 64,
-    ch: ChainCosts | None = None,
-    passes: int = 2,
-    cap_factors: Sequence[float] = _CAP_FACTORS,
-) -> tuple[Estimate, list[Stage]] | None:
-    """The best contiguous plan over the peer sequence ``seq`` (peers may be skipped)."""
-    ch = ch or ChainCosts(dag, topo, cost)
-    pos = _positions(ch, max_positions)
-    policy = cost.compression
-    best: tuple[Estimate, list[Stage]] | None = None
-    t_ref: float | None = None
-    budget: float | None = None
-    fastest, n_links = 0.0, 1
-    stage = _stage_depths(ch, seq, cost.n_micro_batches, pos)
-    m = len(seq)
-    for _ in range(passes):  # later passes: adaptive reference and planned budget from the previous
-        link_f = np.zeros((m, m, len(pos)))
-        link_b = np.zeros((m, m, len(pos)))
-        for a, pa in enumerate(seq):
-            for b, pb in enumerate(seq):
-                if a >= b:
-                    continue
-                if policy.kind == "none":
-                    ratio: np.ndarray | float = 1.0
-                elif policy.kind == "planned" and budget is None:  # first pass: the most it may compress
-                    ratio = policy.max_ratio
-                elif policy.kind == "planned" and budget is not None:
-                    bw = min(topo.bandwidth[pa, pb], topo.bandwidth[pb, pa])
-                    lat = max(topo.latency[pa, pb], topo.latency[pb, pa])
-                    link_budget = planned_budgets(lat, budget, fastest, n_links, policy)
-                    ratio = planned_ratios(
-                        ch.cut, bw, lat, link_budget, policy, cost.wire, topo.link_codec(pa, pb)
-                    )
-                elif policy.kind == "uniform" or t_ref is None:
-                    ratio = policy.ratio
-                else:
-                    ratio = np.clip(policy.ratio * ch.dense_time(pa, pb) / t_ref, 1.0, policy.max_ratio)
-                f, bk = ch.link_times(pa, pb, ratio)
-                link_f[a, b], link_b[a, b] = f[pos], bk[pos]
-        link_fill, link_max = link_f + link_b, np.maximum(link_f, link_b)
-        b_star, _ = _dp_depths(stage, link_fill, link_max, None)
-        if not math.isfinite(b_star):
-            return best
-        for factor in cap_factors:
-            _, triples = _dp_depths(stage, link_fill, link_max, b_star * factor)
-            if not triples:
-                continue
-            stages = contiguous_stages([(seq[j], int(pos[s]), int(pos[e])) for j, s, e in triples])
-            est = estimate(dag, topo, stages, cost)
-            if best is None or est.iteration_s < best[0].iteration_s:
-                best = (est, stages)
-        if best is None:
-            return None
-        remote = [lk for lk in best[0].links if lk.wire_bytes > 0]
-        if remote:
-            peers = [s.peer for s in best[1]]
-            t_ref = float(
-                np.mean(
-                    [
-                        topo.latency[peers[lk.src], peers[lk.dst]]
-                        + lk.dense_bytes / topo.bandwidth[peers[lk.src], peers[lk.dst]]
-                        for lk in remote
-                    ]
-                )
-            )
-        busy: dict[int, float] = {}
-        for planned_stage, seconds in zip(best[1], best[0].compute_s, strict=True):
-            busy[planned_stage.peer] = busy.get(planned_stage.peer, 0.0) + seconds
-        budget = max(busy.values())  # planned ratios: hide each link under this compute ...
-        n_links = max(1, len(remote))  # ... and within the slack of about this fast an iteration
-        fastest = (
-            best[0].critical_path_s
-            - sum(lk.fwd_s + lk.bwd_s for lk in remote)
-            + (cost.n_micro_batches - 1) * budget
-        )
-    return best
 
 
 def _candidates(topo: Topology, cluster: Sequence[int], n: int) -> list[int]:

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from fusionp2p.opdag.ir import OpDag
 from fusionp2p.planning.cost import CostConfig, in_flight, stage_in_flight
-from fusionp2p.planning.estimate import Estimate, Stage, estimate
+from fusionp2p.planning.estimate import Estimate, Estimated, Stage, estimate
 from fusionp2p.planning.topology import PlanningError, Topology
 from fusionp2p.records import PlanStageRecord, expand_ranges, node_ranges
 
@@ -69,7 +69,7 @@ def plan_layout(
 
 
 @dataclass(frozen=True)
-class Plan:
+class Plan(Estimated):
     """A partition with its per-link ratios and the estimate it was chosen for."""
 
     method: str  # "op-fence", "exact", "equal-number/uniform", ...
@@ -109,16 +109,6 @@ class Plan:
             est,
             tuple(tuple(topo.peer_ids[p] for p in c) for c in clusters),
         )
-
-    @property
-    def iteration_s(self) -> float:
-        """What the plan was chosen by (``Estimate.iteration_s``)."""
-        return self.estimate.iteration_s
-
-    @property
-    def expected_s(self) -> float:
-        """What a step of the plan is expected to take (``Estimate.expected_s``)."""
-        return self.estimate.expected_s
 
     def to_records(
         self, *, plan_id: str, epoch: int, made_by: str, made_at: float, data_owner: str = ""

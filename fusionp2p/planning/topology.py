@@ -144,17 +144,7 @@ class Topology:
 
     def without(self, peer_id: str) -> Topology:
         """The same swarm without ``peer_id`` (its links stay in the other pairs' widest paths)."""
-        keep = np.array([p != peer_id for p in self.peer_ids])
-        return Topology(
-            tuple(p for p in self.peer_ids if p != peer_id),
-            self.speed[keep],
-            self.memory[keep],
-            self.bandwidth[np.ix_(keep, keep)],
-            self.latency[np.ix_(keep, keep)],
-            self.measured[np.ix_(keep, keep)],
-            self.codec[keep],
-            self.site[keep],
-        )
+        return self.subset([p for p in self.peer_ids if p != peer_id])
 
     def subset(self, peer_ids: Sequence[str]) -> Topology:
         """The same measurements and inferences, for ``peer_ids`` only (in this order)."""

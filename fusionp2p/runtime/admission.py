@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-from fusionp2p.config import ExecLimits
+from fusionp2p.config import DEFAULT_TIMEOUTS, ExecLimits
 from fusionp2p.errors import LimitError, ProtocolError
 from fusionp2p.records import ExecControl, JobSetup, OpData
 from fusionp2p.runtime.jobs import Job, opdata_key
@@ -31,7 +31,7 @@ class ServicePolicy:
     device: str = "cpu"  # where stages compute: "cpu" or "cuda:N"
     emulated_speed: float = 1.0  # testbeds: compute as a device this much as fast (runtime.throttle)
     limits: ExecLimits = field(default_factory=ExecLimits)
-    timeout: float = 60.0  # one remote request, or waiting for this stage to finish an iteration
+    timeout: float = DEFAULT_TIMEOUTS.serve  # one remote request, or this stage finishing an iteration
 
 
 def find_job(jobs: Mapping[str, Job], name: str) -> Job:
