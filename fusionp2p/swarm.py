@@ -14,16 +14,12 @@ and drives pipelines by hand.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from hivemind.utils import get_dht_time
 
-from fusionp2p.config import DEFAULT_SWARM, DEFAULT_TIMEOUTS
 from fusionp2p.coordination.election import lease_in_force
 from fusionp2p.net.connection import SwarmConnection
-from fusionp2p.net.directory import SwarmDirectory
 from fusionp2p.records import LeaseRecord, LinkRecord, PeerRecord, PlanStageRecord, RunStatusRecord
 from fusionp2p.training.data_owner import DataOwner
 from fusionp2p.training.job_spec import JobSpec
@@ -31,33 +27,16 @@ from fusionp2p.training.trainer import TrainResult
 
 __all__ = ["Swarm"]
 
-T = TypeVar("T")
 
-
-class Swarm:
+class Swarm(SwarmConnection):
     """A read-only handle on a swarm's live peers, measured links, coordinator, plans and
-    runs; ``train`` runs a job on it with this process as the data owner.
+    runs (a ``SwarmConnection``: ``Swarm(initial_peers, swarm=..., timeout=..., site=...)``);
+    ``train`` runs a job on it with this process as the data owner.
 
     Raises:
+        ConfigError: a malformed initial peer or site.
         SwarmError: no initial peer given, or none answered.
     """
-
-    def __init__(
-        self,
-        initial_peers: Sequence[str],
-        *,
-        swarm: str = DEFAULT_SWARM,
-        timeout: float = DEFAULT_TIMEOUTS.dht,
-        site: str = "",
-    ) -> None:
-        self._connection = SwarmConnection(initial_peers, swarm=swarm, timeout=timeout, site=site)
-        self.name = swarm
-        self.site = self._connection.site  # this data owner's, as PeerRecord.site
-
-    @property
-    def directory(self) -> SwarmDirectory:
-        """The swarm's records in the DHT."""
-        return self._connection.directory
 
     # -- async API ---------------------------------------------------------------------
 
@@ -84,17 +63,7 @@ class Swarm:
         """Training runs as their data owners last reported them (progress, newest events)."""
         return await self.directory.fetch_runs()
 
-    async def __aenter__(self) -> Swarm:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await asyncio.to_thread(self.close)
-
     # -- sync API ----------------------------------------------------------------------
-
-    def call(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Runs ``coro`` on this Swarm's event loop (where its libp2p handle lives); its result."""
-        return self._connection.call(coro)
 
     def peers(self) -> list[PeerRecord]:
         """Live peers (unexpired records, not leaving), sorted by PeerID."""
@@ -126,7 +95,7 @@ class Swarm:
     def data_owner(self) -> DataOwner:
         """This process as a data owner on this swarm: it plans, submits, sets pipelines up
         and trains (``training.DataOwner``)."""
-        return DataOwner(self._connection)
+        return DataOwner(self)
 
     def train(self, job: JobSpec, **kwargs: Any) -> TrainResult:
         """Trains ``job`` on the swarm with this process as its data owner
@@ -136,13 +105,3 @@ class Swarm:
             ConfigError, SwarmError, CoordinatorError, ProtocolError: see ``DataOwner.train``.
         """
         return self.data_owner().train(job, **kwargs)
-
-    def close(self) -> None:
-        """Leaves the DHT and stops this handle's background thread; idempotent."""
-        self._connection.close()
-
-    def __enter__(self) -> Swarm:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

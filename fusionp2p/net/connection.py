@@ -15,7 +15,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
@@ -131,6 +131,18 @@ class SwarmConnection:
             )
             self._thread.start()
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.to_thread(self.close)
 
     def close(self) -> None:
         """Leaves the DHT and stops the background thread; idempotent."""

@@ -39,7 +39,15 @@ from fusionp2p.planning.cost import (
 from fusionp2p.planning.schedule import Hop, simulate
 from fusionp2p.planning.topology import PlanningError, Topology
 
-__all__ = ["Estimate", "Estimated", "LinkEstimate", "Stage", "estimate", "estimate_segments", "shared_bandwidth"]
+__all__ = [
+    "Estimate",
+    "Estimated",
+    "LinkEstimate",
+    "Stage",
+    "estimate",
+    "estimate_segments",
+    "shared_bandwidth",
+]
 
 
 @dataclass(frozen=True)

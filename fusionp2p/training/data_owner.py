@@ -2,7 +2,7 @@
 
 It measures itself and its links (only it can), plans or submits a job, sets a plan up
 as a ``Pipeline`` and trains a ``JobSpec`` to saved weights; its raw data never leaves
-it. It talks to the swarm through a ``SwarmConnection`` (a ``Swarm`` hands it its own:
+it. It talks to the swarm through a ``SwarmConnection`` (a ``Swarm`` is one:
 ``swarm.data_owner()``).
 
     owner = swarm.data_owner()
