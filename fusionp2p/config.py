@@ -15,6 +15,7 @@ from fusionp2p.errors import ConfigError
 __all__ = [
     "DEFAULT_SWARM",
     "DEFAULT_TIMEOUTS",
+    "MAX_LEASE_SECONDS",
     "NAME_RE",
     "NO_WARMUP",
     "PEER_ID_RE",
@@ -31,6 +32,7 @@ __all__ = [
 ]
 
 DEFAULT_SWARM = "fusionp2p"
+MAX_LEASE_SECONDS = 120.0  # the longest coordinator lease period a peer takes or accepts
 NAME_RE = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")  # a swarm's or a job's name: 1-64 letters, digits, - or _
 PEER_ID_RE = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")  # a base58 PeerID
 SITE_PATTERN = re.compile(r"[A-Za-z0-9._-]{0,64}")  # a data centre's label (PeerRecord.site); "" for none
@@ -277,6 +279,10 @@ class PeerConfig:
         if self.max_memory_bytes is not None:
             _positive_ints("PeerConfig", max_memory_bytes=self.max_memory_bytes)
         _positive_ints("PeerConfig", max_jobs=self.max_jobs)
+        if self.lease_seconds > MAX_LEASE_SECONDS:
+            raise ConfigError(
+                f"PeerConfig.lease_seconds must be at most {MAX_LEASE_SECONDS:g}, got {self.lease_seconds}"
+            )
         if self.record_ttl < 2 * self.heartbeat:
             raise ConfigError(
                 f"PeerConfig.record_ttl ({self.record_ttl}) must be at least twice the "

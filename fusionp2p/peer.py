@@ -24,7 +24,7 @@ from hivemind.utils import get_dht_time
 
 from fusionp2p.config import PeerConfig
 from fusionp2p.coordination.coordinator import Coordinator
-from fusionp2p.coordination.election import LeaseKeeper
+from fusionp2p.coordination.election import LeaseJudge, LeaseKeeper
 from fusionp2p.coordination.plan_check import check_planned_setup
 from fusionp2p.errors import FusionP2PError
 from fusionp2p.net.dht_node import start_dht
@@ -75,8 +75,9 @@ class Peer:
         self._closed = False
         self._maddrs: list[str] = []
         self.executors: ExecutorService | None = None  # runs the stage a data owner assigns here
+        self.judge = LeaseJudge()  # what this peer accepts of lease claims, for its keeper and plan checks
         self.keeper = LeaseKeeper(
-            directory, self.peer_id, lease_s=config.lease_seconds, maddrs=self._lease_maddrs
+            directory, self.peer_id, lease_s=config.lease_seconds, maddrs=self._lease_maddrs, judge=self.judge
         )
         self.coordinator: Coordinator | None = None  # plans jobs while this peer holds the lease
 
@@ -186,7 +187,7 @@ class Peer:
         return self.multiaddrs
 
     async def _check_plan(self, setup: JobSetup, sender: str) -> None:
-        await check_planned_setup(self.directory, setup, sender=sender, me=self.peer_id)
+        await check_planned_setup(self.directory, setup, sender=sender, me=self.peer_id, judge=self.judge)
 
     def _jobs_changed(self) -> None:
         if self._closed or self.executors is None:

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hivemind.utils import get_dht_time
-
-from fusionp2p.coordination.election import lease_in_force
+from fusionp2p.coordination.election import LeaseJudge, read_lease
 from fusionp2p.net.connection import SwarmConnection
 from fusionp2p.records import LeaseRecord, LinkRecord, PeerRecord, PlanStageRecord, RunStatusRecord
 from fusionp2p.training.data_owner import DataOwner
@@ -52,8 +50,9 @@ class Swarm(SwarmConnection):
         return sorted((lk for lk in links if lk.dst in peers), key=lambda lk: (lk.src, lk.dst))
 
     async def acoordinator(self) -> LeaseRecord | None:
-        """The coordinator lease in force (its holder and epoch), or None."""
-        return lease_in_force(await self.directory.fetch_leases(), get_dht_time())
+        """The coordinator lease in force (its holder and epoch), or None: as every reader
+        bounds a claim (``coordination.election.LeaseJudge``)."""
+        return await read_lease(self.directory, LeaseJudge())
 
     async def ajobs(self) -> dict[tuple[str, int, str], list[PlanStageRecord]]:
         """Every complete plan in the DHT: (job, epoch, coordinator) -> its stages."""

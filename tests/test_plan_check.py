@@ -8,11 +8,13 @@ import dataclasses
 
 import pytest
 from hivemind.utils import get_dht_time
+from job_helpers import peer_record
 
 from fusionp2p.config import OptimizerConfig
+from fusionp2p.coordination.election import LeaseJudge
 from fusionp2p.coordination.plan_check import check_planned_setup, published_layout
 from fusionp2p.errors import ProtocolError
-from fusionp2p.records import JobSetup, LeaseRecord, ModelSpec, PlanStageRecord
+from fusionp2p.records import JobSetup, LeaseRecord, ModelSpec, PeerRecord, PlanStageRecord
 
 OWNER, B, C, COORDINATOR = ("Qm" + c * 44 for c in "abcd")
 EPOCH = 3
@@ -31,7 +33,10 @@ class _Directory:
     """The lease and the plan a stage reads from the DHT."""
 
     async def fetch_leases(self) -> list[LeaseRecord]:
-        return [LeaseRecord(COORDINATOR, EPOCH, 0.0, get_dht_time() + 60)]
+        return [LeaseRecord(COORDINATOR, EPOCH, 0.0, get_dht_time() + 10, period_s=10.0)]
+
+    async def fetch_peer(self, peer_id: str) -> PeerRecord | None:
+        return peer_record(peer_id) if peer_id == COORDINATOR else None
 
     async def fetch_plans(self, job: str) -> dict[tuple[int, str], list[PlanStageRecord]]:
         return {(EPOCH, COORDINATOR): PLAN} if job == "job-1" else {}
@@ -57,7 +62,7 @@ def _setup(**changes: object) -> JobSetup:
 
 
 def _check(setup: JobSetup, me: str = B) -> None:
-    asyncio.run(check_planned_setup(_Directory(), setup, sender=OWNER, me=me))
+    asyncio.run(check_planned_setup(_Directory(), setup, sender=OWNER, me=me, judge=LeaseJudge()))
 
 
 def test_the_published_plan_as_a_runtime_runs_it() -> None:
@@ -90,4 +95,4 @@ def test_a_setup_that_is_not_the_plan_is_refused(changes: dict, refusal: str) ->
 
 def test_a_setup_from_someone_but_the_plans_data_owner_is_refused() -> None:
     with pytest.raises(ProtocolError, match="data owner"):
-        asyncio.run(check_planned_setup(_Directory(), _setup(), sender=C, me=B))
+        asyncio.run(check_planned_setup(_Directory(), _setup(), sender=C, me=B, judge=LeaseJudge()))

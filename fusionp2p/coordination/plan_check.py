@@ -13,9 +13,7 @@ older epoch, or signed by anyone else, counts for nothing.
 
 from __future__ import annotations
 
-from hivemind.utils import get_dht_time
-
-from fusionp2p.coordination.election import lease_in_force
+from fusionp2p.coordination.election import LeaseJudge, read_lease
 from fusionp2p.errors import ProtocolError
 from fusionp2p.net.directory import SwarmDirectory
 from fusionp2p.planning import RuntimeLayout
@@ -46,14 +44,17 @@ def published_layout(records: list[PlanStageRecord], data_owner: str) -> Runtime
     return plan_layout([r.peer_id for r in ordered], nodes, ratios, ordered[0].n_micro_batches, data_owner)
 
 
-async def check_planned_setup(directory: SwarmDirectory, setup: JobSetup, *, sender: str, me: str) -> None:
-    """Refuses ``setup`` unless it follows the coordinator's current plan for its job.
+async def check_planned_setup(
+    directory: SwarmDirectory, setup: JobSetup, *, sender: str, me: str, judge: LeaseJudge
+) -> None:
+    """Refuses ``setup`` unless it follows the current coordinator's plan for its job (the
+    lease in force as ``judge``, this peer's reader of leases, accepts it).
 
     Raises:
         ProtocolError: the reason, one line (sent back to the data owner).
     """
     job = setup.job
-    lease = lease_in_force(await directory.fetch_leases(), get_dht_time())
+    lease = await read_lease(directory, judge)
     if lease is None:
         raise ProtocolError(f"job {job}: no coordinator holds the lease, so no plan is in force")
     if setup.epoch != lease.epoch:

@@ -268,6 +268,17 @@ class SwarmDirectory:
             peers = {pid: r for pid, r in peers.items() if r.state != "leaving"}
         return peers
 
+    async def fetch_peer(self, peer_id: str) -> PeerRecord | None:
+        """``peer_id``'s freshest live record (read along its path of shards), or None."""
+        found: PeerRecord | None = None
+        async for _, held in self._path(peer_id):
+            for data in held.values():
+                with contextlib.suppress(RecordError):
+                    record = PeerRecord.from_wire(data)
+                    if record.peer_id == peer_id and (found is None or record.updated_at > found.updated_at):
+                        found = record
+        return found if found is not None and found.state != "leaving" else None
+
     async def holds_peer(self, record: PeerRecord) -> bool:
         """Whether readers see ``record`` (or a newer one of its peer) in the DHT.
 

@@ -34,7 +34,7 @@ from fusionp2p.records.exec import (
     pack_message,
     split_message,
 )
-from fusionp2p.records.limits import MAX_MICRO_BATCHES, MAX_NODES, MAX_STAGES, MAX_TOPK_RATIO
+from fusionp2p.records.limits import MAX_EPOCH, MAX_MICRO_BATCHES, MAX_NODES, MAX_STAGES, MAX_TOPK_RATIO
 from fusionp2p.records.model import ModelSpec
 from fusionp2p.records.node_ranges import expand_ranges, node_ranges
 from fusionp2p.records.protocols import COORD_PROTOCOL, EXEC_PROTOCOL, PROBE_PROTOCOL
@@ -77,6 +77,7 @@ __all__ = [
     "FETCHABLE",
     "FLOAT_DTYPES",
     "LINKS_PER_SET",
+    "MAX_EPOCH",
     "MAX_LINKS_PER_PEER",
     "MAX_MICRO_BATCHES",
     "MAX_NODES",

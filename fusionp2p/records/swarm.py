@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 from fusionp2p.config import SITE_PATTERN
 from fusionp2p.errors import RecordError
+from fusionp2p.records.limits import MAX_EPOCH
 from fusionp2p.records.node_ranges import check_ranges
-from fusionp2p.records.wire import WireRecord
+from fusionp2p.records.wire import Range, WireRecord
 
 __all__ = [
     "CODEC_TERMS",
@@ -201,15 +202,17 @@ class LinkSetRecord(WireRecord):
 
 @dataclass(frozen=True)
 class LeaseRecord(WireRecord):
-    """A claim on the swarm's coordinator lease (``coordination/election.py``)."""
+    """A claim on the swarm's coordinator lease (``coordination/election.py``: what readers
+    accept of one)."""
 
     KIND: ClassVar[str] = "lease"
 
     holder: str  # base58 PeerID of the claimant; must match the signer
-    epoch: int  # the fencing token: every plan names the epoch it was made in
+    epoch: Annotated[int, Range(1, MAX_EPOCH)]  # the fencing token: every plan names its epoch
     granted_at: float  # DHT time the holder took this epoch
     valid_until: float  # DHT time the lease runs out unless renewed
     maddrs: tuple[str, ...] = ()  # where a data owner reaches the coordinator
+    period_s: float = 0.0  # the holder's lease period (0: an older peer's, the default period)
 
     def __post_init__(self) -> None:
         if not self.holder or self.epoch < 1:
