@@ -9,17 +9,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import struct
 import time
 from collections.abc import AsyncIterator
 
 import msgpack
+import psutil
 import pytest
+import safetensors.torch
 import torch
 from exec_helpers import first_forward, stranger_setup
 
 from fusionp2p.config import ExecLimits, OptimizerConfig, RatioWarmup
-from fusionp2p.errors import LimitError, PeerUnreachableError, RecordError
+from fusionp2p.errors import LimitError, PeerUnreachableError, ProtocolError, RecordError
 from fusionp2p.net.framing import FRAME_VERSION, HEADER, FrameKind
 from fusionp2p.net.limits import InboundBudget
 from fusionp2p.net.memory_transport import MemoryTransport
@@ -164,6 +167,31 @@ def test_an_unknown_family_is_refused_with_the_flag_that_enables_it() -> None:
     asyncio.run(run())
 
 
+def test_a_stage_cannot_put_another_stages_optimizer_state_into_a_checkpoint() -> None:
+    async def run() -> None:
+        async with net() as n:
+            d = await driver(n)
+            try:
+                await d.train_step(batches())
+                assert set(await d.fetch("state"))  # honest state is taken
+                stage = n.service.jobs[d.job].executor
+                honest = stage.full_state
+                owners = next(p for p in d.partition.params[0] if "weight" in p)  # the data owner's
+                poisoned = safetensors.torch.save(
+                    {
+                        **safetensors.torch.load(honest()),
+                        f"{owners}#exp_avg": torch.full(d.executor.state.tensors[owners].shape, math.nan),
+                    }
+                )
+                stage.full_state = lambda: poisoned
+                with pytest.raises(ProtocolError, match="not this stage's"):
+                    await d.fetch("state")
+            finally:
+                await d.aclose()
+
+    asyncio.run(run())
+
+
 def test_a_running_job_obeys_only_its_owner_and_takes_opdata_only_from_neighbours() -> None:
     async def run() -> None:
         async with net() as n:
@@ -268,6 +296,29 @@ def test_private_swarm_takes_jobs_only_from_its_list() -> None:
             assert kind is FrameKind.ERROR and b"--accept-jobs-from" in reply
             d = await driver(n)  # the listed owner is served
             await d.aclose()
+
+    asyncio.run(run())
+
+
+def test_a_setup_whose_fake_trace_fails_is_refused_without_building_the_model() -> None:
+    """The biggest digits CNN, with token ids (1 x 4) for input: no fake trace, and the peer
+    never builds the ~100 MB model to find out its size."""
+
+    async def setup(stream: FrameStream, channels: int) -> tuple[FrameKind, bytes]:
+        body = _setup_body("digits-cnn", {"channels": channels}, job="no-fake")
+        header = ExecControl(command="setup", job="no-fake", body_bytes=len(body))
+        await stream.send(FrameKind.DATA, pack_message(header, body), timeout=2)
+        return await stream.recv(max_payload=1 << 20, timeout=60)
+
+    async def run() -> None:
+        async with net() as n:
+            stream = await n.stranger.open(STAGE, EXEC_PROTOCOL, timeout=2)
+            await setup(stream, 1)  # the first trace in a process loads torch.export's machinery
+            before = psutil.Process().memory_info().rss
+            kind, reply = await setup(stream, 1024)
+            assert kind is FrameKind.ERROR and b"cannot be traced without allocating" in reply
+            assert psutil.Process().memory_info().rss - before < 50 << 20
+            assert not n.service.jobs
 
     asyncio.run(run())
 

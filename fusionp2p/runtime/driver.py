@@ -35,7 +35,7 @@ from fusionp2p.runtime.codec import ExecClient, unpack_message
 from fusionp2p.runtime.job_setup import JobOptions, stage_setups
 from fusionp2p.runtime.losses import LOSSES
 from fusionp2p.runtime.service import ExecutorService, ServicePolicy
-from fusionp2p.runtime.stage_state import OPTIMIZER_SEPARATOR
+from fusionp2p.runtime.stage_state import OPTIMIZER_KEYS, OPTIMIZER_SEPARATOR
 from fusionp2p.runtime.torch_executor import TorchExecutor
 
 __all__ = ["PipelineDriver"]
@@ -113,6 +113,26 @@ def _trace_and_split(
     assignment = _positions(traced, layout)
     part = partition(traced.program, assignment, len(layout.peers), data_stage=layout.data_stage)
     return traced, assignment, part
+
+
+def _belongs(
+    name: str,
+    tensor: torch.Tensor,
+    weights: Mapping[str, torch.Tensor],
+    trainable: Mapping[str, torch.Tensor],
+) -> bool:
+    """Whether a fetched ``name`` is one of a stage's own tensors (``weights``) in its shape,
+    or optimizer state (``param#key``) of one of its own trainable parameters: a stage can
+    never put another stage's tensors or optimizer state into a checkpoint."""
+    param, separator, key = name.rpartition(OPTIMIZER_SEPARATOR)
+    if not separator:
+        return name in weights and tensor.shape == weights[name].shape
+    return (
+        param in trainable
+        and key in OPTIMIZER_KEYS
+        and tensor.is_floating_point()
+        and tensor.shape in (trainable[param].shape, torch.Size([]))
+    )
 
 
 class PipelineDriver:
@@ -346,14 +366,11 @@ class PipelineDriver:
                 raise ProtocolError(
                     f"fetch {what} from stage {stage}: not safetensors: {str(e)[:200]}"
                 ) from e
-            wrong = {
-                n
-                for n, t in tensors.items()
-                if OPTIMIZER_SEPARATOR not in n and (n not in weights or t.shape != weights[n].shape)
-            }
+            trainable = self._stage_tensors(stage, trainable_only=True)
+            wrong = sorted(n for n, t in tensors.items() if not _belongs(n, t, weights, trainable))
             if wrong:
                 raise ProtocolError(
-                    f"fetch {what} from stage {stage}: unexpected tensors {sorted(wrong)[:3]}"
+                    f"fetch {what} from stage {stage}: tensors that are not this stage's {wrong[:3]}"
                 )
             return tensors
 

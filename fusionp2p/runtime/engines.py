@@ -63,28 +63,28 @@ def build_torch_stage(
     """This peer's stage of ``setup``, if its family is served here and it fits in memory.
 
     The model is traced fake (nothing allocated) and only this stage's tensors are
-    materialized on ``device``, empty, for the data owner's weights to fill. A factory that cannot be
-    traced fake is built and traced for real, and the whole model counts against memory.
+    materialized on ``device``, empty, for the data owner's weights to fill. A model that
+    cannot be traced fake is refused: the real model is never built to find out its size.
 
     Raises:
         UnknownModelError: the family is not served by this peer.
-        ConfigError: the config breaks the family's schema, or the graph differs from the
-            data owner's.
+        ConfigError: the config breaks the family's schema, the model cannot be traced
+            without allocating it, or the graph differs from the data owner's.
         LimitError: the stage would need more memory than allowed.
     """
     family, _ = resolve_spec(setup.spec, registry)
     allowed = memory_allowance(max_memory, device)
     try:
-        traced, fake = trace_spec(setup.spec, registry, fake=True), True
+        traced = trace_spec(setup.spec, registry, fake=True)
     except ConfigError:
         raise
-    except Exception as e:  # a factory that cannot run without real tensors: checked after the build
-        logger.warning("model %r cannot be traced without allocating (%s); building it", family.name, e)
-        traced, fake = trace_spec(setup.spec, registry), False
+    except Exception as e:  # a factory that cannot run without real tensors, or a bad input
+        raise ConfigError(
+            f"model {family.name!r} cannot be traced without allocating it ({type(e).__name__}: "
+            f"{str(e)[:200]}); this peer never builds a model to find out its size"
+        ) from None
     part = _split(traced, setup)
-    need = stage_memory(
-        traced, part, setup.stage, in_flight=setup.in_flight, optimizer=setup.optimizer, whole_model=not fake
-    )
+    need = stage_memory(traced, part, setup.stage, in_flight=setup.in_flight, optimizer=setup.optimizer)
     _check_memory(need, setup, allowed)
     logger.info(
         "stage %d of job %s (%s): needs about %s of the %s allowed",
@@ -102,7 +102,7 @@ def build_torch_stage(
         n_micro_batches=setup.n_micro_batches,
         optimizer=setup.optimizer,
         ratios=dict(setup.ratios),
-        materialize=not fake,
+        materialize=False,
         plan_version=setup.plan_version,
         device=device,
         ratio_warmup=setup.ratio_warmup,

@@ -2,9 +2,9 @@
 
 From a traced model (a fake trace allocates nothing) and a partition: this stage's own
 tensors, gradients and optimizer slots for its trainable parameters, the activations its
-nodes keep for backward times the micro-batches in flight, and, only where a model cannot
-be traced fake, the whole model the peer must build to trace it. A peer refuses a stage whose total exceeds
-its ``--max-memory``, before it builds anything.
+nodes keep for backward times the micro-batches in flight. A peer refuses a stage whose
+total exceeds its ``--max-memory``, before it builds anything (and a model it cannot trace
+fake: ``engines.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ def optimizer_slots(config: OptimizerConfig) -> int:
 class StageMemory:
     """Bytes one stage needs, by what holds them."""
 
-    model: int  # the whole model, when this peer must build it to trace it (0: a fake trace did)
     state: int  # this stage's own copy of its parameters, buffers and constants
     grads: int  # .grad of its trainable parameters
     optimizer: int  # optimizer slots of its trainable parameters
@@ -40,13 +39,12 @@ class StageMemory:
 
     @property
     def total(self) -> int:
-        return self.model + self.state + self.grads + self.optimizer + self.activations
+        return self.state + self.grads + self.optimizer + self.activations
 
     def describe(self) -> str:
-        built = f"model {format_bytes(self.model)} built to trace it, " if self.model else ""
         return (
-            f"{format_bytes(self.total)} ({built}"
-            f"stage state {format_bytes(self.state)}, gradients {format_bytes(self.grads)}, "
+            f"{format_bytes(self.total)} (stage state {format_bytes(self.state)}, "
+            f"gradients {format_bytes(self.grads)}, "
             f"optimizer {format_bytes(self.optimizer)}, activations {format_bytes(self.activations)} "
             f"for {self.in_flight} micro-batch(es) in flight)"
         )
@@ -63,10 +61,8 @@ def stage_memory(
     *,
     in_flight: int,
     optimizer: OptimizerConfig,
-    whole_model: bool = False,
 ) -> StageMemory:
-    """The memory ``stage`` of ``part`` needs, from ``traced`` (fake or real); with
-    ``whole_model`` the peer also builds the whole model (to trace it for real)."""
+    """The memory ``stage`` of ``part`` needs, from ``traced`` (fake or real)."""
     program = traced.program
     tensors: Mapping[str, Any] = {**program.state_dict, **getattr(program, "constants", {})}
     trainable = set(program.graph_signature.inputs_to_parameters.values())
@@ -81,7 +77,6 @@ def stage_memory(
         if v in part.values and part.stage_of[v] != stage
     )
     return StageMemory(
-        model=sum(_nbytes(t) for t in tensors.values()) if whole_model else 0,
         state=state,
         grads=trained,
         optimizer=trained * optimizer_slots(optimizer),
