@@ -8,14 +8,16 @@ fusionp2p local  [--peers N] [--duration S]             a local swarm on this ma
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import sys
 import time
+import unicodedata
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from fusionp2p.cli_jobs import format_jobs, format_runs
 from fusionp2p.errors import ConfigError, FusionP2PError
@@ -24,7 +26,15 @@ from fusionp2p.records import LinkRecord, PeerRecord
 if TYPE_CHECKING:
     from fusionp2p.launch import LocalSwarm
 
-__all__ = ["cmd_local", "cmd_plan", "cmd_status", "format_status", "load_swarm_file", "status_json"]
+__all__ = [
+    "cmd_local",
+    "cmd_plan",
+    "cmd_status",
+    "format_status",
+    "load_swarm_file",
+    "printable",
+    "status_json",
+]
 
 
 # -- status -------------------------------------------------------------------------------
@@ -77,6 +87,27 @@ def status_json(swarm: str, peers: list[PeerRecord], links: list[LinkRecord], no
     }
 
 
+_R = TypeVar("_R")
+
+
+def _printable_text(text: str) -> str:
+    """``text`` without control or format characters (escape sequences, newlines, bidi
+    overrides): what a peer wrote cannot redraw or forge a line of this terminal."""
+    return "".join(ch for ch in text if unicodedata.category(ch) not in ("Cc", "Cf"))
+
+
+def printable(record: _R) -> _R:
+    """``record`` with every string field (and every string of a tuple field) printable."""
+    changes: dict[str, object] = {}
+    for f in dataclasses.fields(record):  # type: ignore[arg-type]
+        value = getattr(record, f.name)
+        if isinstance(value, str):
+            changes[f.name] = _printable_text(value)
+        elif isinstance(value, tuple) and all(isinstance(v, str) for v in value):
+            changes[f.name] = tuple(_printable_text(v) for v in value)
+    return dataclasses.replace(record, **changes)  # type: ignore[type-var]
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from hivemind.utils import get_dht_time
 
@@ -86,6 +117,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         peers, links = swarm.peers(), swarm.links()
         lease, plans, runs = swarm.coordinator(), swarm.jobs(), swarm.runs()
     now = get_dht_time()
+    if not args.json:  # JSON escapes what a peer wrote; a terminal must not run it
+        peers, runs = [printable(p) for p in peers], [printable(r) for r in runs]
+        plans = {key: [printable(r) for r in records] for key, records in plans.items()}
+        lease = printable(lease) if lease is not None else None
     if args.json:
         doc = status_json(args.swarm, peers, links, now)
         doc["coordinator"] = asdict(lease) if lease is not None else None

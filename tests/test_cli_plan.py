@@ -1,9 +1,11 @@
 """`fusionp2p plan` on a swarm file: the plan next to the baselines, a PNG, stage records as JSON."""
 
+import dataclasses
 import json
 from dataclasses import asdict
 
 import pytest
+from job_helpers import peer_record
 
 from fusionp2p.cli import main
 from fusionp2p.planning import synthetic_swarm
@@ -84,3 +86,16 @@ def test_plan_reports_bad_input_clearly(tmp_path, capsys) -> None:
     assert "peers[0] is not a valid record" in capsys.readouterr().err
     assert main(["plan", "--swarm-file", str(tmp_path / "missing.json")]) == 1
     assert "cannot read swarm file" in capsys.readouterr().err
+
+
+def test_status_prints_nothing_a_peer_wrote_as_a_terminal_command() -> None:
+    from fusionp2p.cli_jobs import format_runs
+    from fusionp2p.cli_swarm import format_status, printable
+    from fusionp2p.records import RunStatusRecord
+
+    evil = "\x1b[2J\x1b[31mALERT: send your key to\u202e evil\nfake line"
+    run = RunStatusRecord(f"run{evil}", "Qm" + "a" * 44, "job-1", 1, 2, 0.5, 1, 1, 0, (evil,), 0.0)
+    peer = dataclasses.replace(peer_record("Qm" + "b" * 44), device_name="cpu\x1b]0;owned\x07")
+    text = format_runs([printable(run)], 0.0) + "\n" + format_status([printable(peer)], [], 0.0)
+    assert not any(ch in text for ch in "\x1b\x07\u202e") and "ALERT" in text
+    assert text.count("fake line") == 2 and "\nfake line" not in text  # no forged line
