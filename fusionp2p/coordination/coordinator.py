@@ -41,9 +41,10 @@ __all__ = ["Coordinator"]
 
 logger = logging.getLogger(__name__)
 
-MAX_PLAN_PEERS = 1024  # the fastest idle peers a plan considers (OP-Fence: ~1 s at 1,000)
-REPLY_PEERS = 32  # peers a reply names (the plan's always): every pair between them, < 1,000 links
-MAX_REPLY_PEERS = 64  # 64 x 63 pairs fit a reply's 4,096 link records
+MAX_REPLY_PEERS = 64  # peers a reply names: 64 x 63 pairs fit its 4,096 link records
+# the fastest idle peers a plan considers: all of them go into the reply, with every pair,
+# so the data owner can plan them again itself (training.verify)
+MAX_PLAN_PEERS = MAX_REPLY_PEERS - 1
 PLAN_TTL = 3600.0  # a plan's records live this long in the DHT
 _MAX_WAITING = 4
 VIEW_PERIOD = 5.0  # seconds between refreshes of the lease holder's view of the swarm
@@ -88,7 +89,7 @@ class Coordinator:
         self.timeout = timeout
         self._gate = gate
         self._lock = asyncio.Lock()
-        self._waiting = 0
+        self._waiting: set[str] = set()  # data owners with a request queued or being planned
         self._viewing: asyncio.Task[None] | None = None
 
     async def start(self) -> Coordinator:
@@ -123,7 +124,10 @@ class Coordinator:
             request = JobRequest.from_wire(body)
             request.check_sender(stream.remote)
             reply = await self.submit(request)
-        except (FusionP2PError, PlanningError) as e:
+        except Exception as e:  # every refusal gets its reason: a trace may fail any way
+            if not isinstance(e, FusionP2PError):
+                logger.warning("planning a job of %s failed: %s: %s", stream.remote[-8:], type(e).__name__, e)
+                e = PlanningError(f"planning failed: {type(e).__name__}: {str(e)[:300]}")
             logger.info("refused job from %s: %s", stream.remote[-8:], e)
             await stream.send(FrameKind.ERROR, str(e).encode()[:2000], timeout=self.timeout)
             await stream.finish(timeout=DEFAULT_TIMEOUTS.courtesy)
@@ -137,20 +141,24 @@ class Coordinator:
         """Plans ``request`` and publishes the plan; the reply names its epoch.
 
         Raises:
-            LimitError: not the coordinator, or too many jobs waiting to be planned.
+            LimitError: not the coordinator, this data owner has a request waiting already
+                (one slot per identity), or too many jobs are waiting to be planned.
             ConfigError: an unknown family or a bad config.
             PlanningError: too few idle peers, or the model fits nowhere.
         """
         if not self.keeper.holds():
             raise LimitError(self._not_coordinator())
-        if self._waiting >= _MAX_WAITING:
-            raise LimitError(f"{self._waiting} jobs are waiting to be planned; submit again later")
-        self._waiting += 1
+        owner = request.owner.peer_id
+        if owner in self._waiting:
+            raise LimitError("this data owner has a job waiting to be planned already: one at a time")
+        if len(self._waiting) >= _MAX_WAITING:
+            raise LimitError(f"{len(self._waiting)} jobs are waiting to be planned; submit again later")
+        self._waiting.add(owner)
         try:
             async with self._lock:
                 return await self._plan(request)
         finally:
-            self._waiting -= 1
+            self._waiting.discard(owner)
 
     async def _reusable_job(self, request: JobRequest) -> str:
         """The job a re-plan replaces, if its plan in the DHT names the sender as data owner."""
@@ -193,19 +201,24 @@ class Coordinator:
     @staticmethod
     def _plan_over(
         request: JobRequest, dag: OpDag, found: _Candidates, cost: CostConfig
-    ) -> tuple[Plan, Topology]:
-        """The plan (the method the request asks for) over the idle peers, and the swarm it
-        was made in: the pairs nobody measured are inferred from every measured link first.
+    ) -> tuple[Plan, list[PeerRecord], list[LinkRecord]]:
+        """The plan (the method the request asks for) over the idle peers, and the records it
+        was made from: the candidates' and every pair between them, measured or inferred
+        from every measured link. It is planned on exactly those records, so the data owner
+        gets the same plan from the reply (``training.verify``).
 
         Raises:
-            PlanningError: the model fits in no split, or the plan uses too many peers.
+            PlanningError: the model fits in no split.
         """
         owner = request.owner.peer_id
         everyone = found.everyone
         swarm = Topology.from_records(
             list(everyone.values()), [lk for lk in found.measured if lk.src in everyone]
         )
-        candidates = swarm.subset(sorted([owner, *(p.peer_id for p in found.idle)]))
+        ids = sorted([owner, *(p.peer_id for p in found.idle)])
+        peers = [everyone[pid] for pid in ids]
+        links = swarm.subset(ids).link_records(get_dht_time())
+        candidates = Topology.from_records(peers, links)
         began = time.perf_counter()
         plan = plan_job(dag, candidates, owner, method=request.method, cost=cost)
         logger.info(
@@ -223,12 +236,7 @@ class Coordinator:
             raise PlanningError(
                 f"job {request.job} fits in no split over the {len(found.idle)} idle peers: {why}"
             )
-        if len({owner, *plan.peer_ids}) > MAX_REPLY_PEERS:
-            raise PlanningError(
-                f"the {request.method} plan of job {request.job} uses {len(set(plan.peer_ids))} peers; "
-                f"a plan may use at most {MAX_REPLY_PEERS - 1} (OP-Fence stays well below)"
-            )
-        return plan, swarm
+        return plan, peers, links
 
     async def _publish(self, request: JobRequest, plan: Plan) -> int:
         """Publishes ``plan`` signed and stamped with this peer's epoch; the epoch.
@@ -264,14 +272,7 @@ class Coordinator:
             n_micro_batches=request.n_micro_batches,
             compression=compression_policy(request.compression, request.max_ratio),
         )
-        plan, swarm = await asyncio.to_thread(self._plan_over, request, traced.dag, found, cost)
-        # the reply: the plan's peers, the data owner, the fastest other idle peers up to a
-        # bound, and every pair between them (what anyone re-plans from)
-        kept = {owner, *plan.peer_ids}
-        for p in found.idle:
-            if len(kept) >= REPLY_PEERS:
-                break
-            kept.add(p.peer_id)
+        plan, peers, links = await asyncio.to_thread(self._plan_over, request, traced.dag, found, cost)
         epoch = await self._publish(request, plan)
         logger.info(
             "planned job %s%s for %s (epoch %d): %d stage(s) on %d idle peer(s), %.3f s per iteration%s",
@@ -302,7 +303,7 @@ class Coordinator:
             epoch=epoch,
             n_stages=len(plan.stages),
             coordinator=self.transport.peer_id,
-            peers=tuple(found.everyone[pid] for pid in sorted(kept)),
-            links=tuple(swarm.subset(sorted(kept)).link_records(get_dht_time())),
+            peers=tuple(peers),
+            links=tuple(links),
             unread=tuple(unread.keys[:MAX_UNREAD]),
         )

@@ -5,6 +5,8 @@
   (byte-level text, the stdlib's source by default), ``images.py`` (scikit-learn's digits).
 - ``owner_records.py``: what only a data owner measures: itself, its links.
 - ``submit.py``: submitting a job to the coordinator; the plan it publishes, rebuilt here.
+- ``verify.py``: the data owner's check of the coordinator: the same plan, from records
+  the DHT vouches for.
 - ``pipeline.py``: Pipeline, a plan (or a split by hand) set up and driven from here.
 - ``supervision.py``: deadlines, stragglers, the checkpoint period, events (pure rules).
 - ``checkpoint.py``: checkpoint files; ``outputs.py``: metrics, weights, save_pretrained.

@@ -15,10 +15,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from hivemind.utils import get_dht_time
-
 from fusionp2p.config import DEFAULT_TIMEOUTS
-from fusionp2p.coordination.election import find_coordinator, lease_in_force
+from fusionp2p.coordination.election import LeaseJudge, find_coordinator, read_lease
 from fusionp2p.errors import CoordinatorError, RecordError, SwarmError
 from fusionp2p.net.directory import SwarmDirectory, Unread
 from fusionp2p.net.framing import FrameKind
@@ -26,9 +24,10 @@ from fusionp2p.net.transport import Transport
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.trace import TracedModel, trace_spec
 from fusionp2p.planning import CostConfig, Plan, Topology, compression_policy
-from fusionp2p.records import COORD_PROTOCOL, JobReply, JobRequest, PeerRecord
+from fusionp2p.records import COORD_PROTOCOL, JobReply, JobRequest, LeaseRecord, PeerRecord
 from fusionp2p.training.job_spec import JobSpec
 from fusionp2p.training.owner_records import probe_from, self_record
+from fusionp2p.training.verify import check_reply_records, verified_plan
 
 __all__ = ["SubmittedJob", "new_run_id", "plan_job_id", "submit_job", "wait_for_peers"]
 
@@ -127,7 +126,9 @@ async def submit_job(
         ConfigError: the job's model family or config is refused here.
         SwarmError: too few idle peers within the job's ``wait_peers_s``.
         CoordinatorError: no coordinator, it refused the job (its reason is in the
-            message), or its plan is not in the DHT under the epoch in force.
+            message), its plan is not in the DHT under the epoch in force, or it is not
+            the plan this data owner makes of the records the coordinator cites
+            (``training.verify``).
     """
     spec = job.model_spec()
     registry = registry or ModelRegistry.for_data_owner(spec.family)
@@ -139,7 +140,8 @@ async def submit_job(
         )
     else:
         peers = await wait_for_peers(directory, job.min_peers, job.wait_peers_s)
-    lease = await find_coordinator(directory, timeout=max(job.wait_peers_s, 1.0))
+    judge = LeaseJudge()
+    lease = await find_coordinator(directory, timeout=max(job.wait_peers_s, 1.0), judge=judge)
     me = await asyncio.to_thread(self_record, transport.peer_id, site=site)
     candidates = [p for p in peers if p.peer_id != transport.peer_id and p.peer_id not in exclude]
     links = await probe_from(transport, candidates[:MAX_PROBED_PEERS])
@@ -157,8 +159,44 @@ async def submit_job(
         speeds=speeds,
         max_ratio=job.max_ratio,
     )
+    reply = await _ask(transport, lease, request, timeout)
+    if reply.unread:
+        logger.warning(
+            "the coordinator planned job %s without %d directory key(s) it could not read in time "
+            "(their peers and links are unknown to the plan): %s",
+            run_id,
+            len(reply.unread),
+            ", ".join(reply.unread[:5]),
+        )
+    now_lease = await read_lease(directory, judge)
+    if now_lease is None or (now_lease.epoch, now_lease.holder) != (reply.epoch, reply.coordinator):
+        raise CoordinatorError(f"the coordinator changed while planning job {job.name}; submit it again")
+    records = (await directory.fetch_plans(run_id)).get((reply.epoch, reply.coordinator))
+    if not records:
+        raise CoordinatorError(f"job {run_id}'s plan (epoch {reply.epoch}) is not in the DHT")
+    cited = [p.peer_id for p in reply.peers if p.peer_id != transport.peer_id]
+    check_reply_records(
+        reply,
+        request,
+        await directory.fetch_peers(unread=Unread()),
+        await directory.fetch_links(cited, unread=Unread()),
+        [lk.dst for lk in links],
+    )
+    policy = compression_policy(job.compression, job.max_ratio)
+    cost = CostConfig(n_micro_batches=job.n_micro_batches, compression=policy)
+    plan, topo = await asyncio.to_thread(verified_plan, records, traced.dag, reply, request, cost)
+    return SubmittedJob(run_id, plan, reply, topo, traced, transport.peer_id, cost)
+
+
+async def _ask(transport: Transport, lease: LeaseRecord, request: JobRequest, timeout: float) -> JobReply:
+    """The coordinator's reply to ``request``.
+
+    Raises:
+        CoordinatorError: it refused the job (its reason is in the message) or answered
+            something else than a reply.
+    """
     holder = lease.holder
-    logger.info("submitting job %s to coordinator %s (epoch %d)", run_id, holder[-8:], lease.epoch)
+    logger.info("submitting job %s to coordinator %s (epoch %d)", request.job, holder[-8:], lease.epoch)
     if lease.maddrs:
         await transport.connect(holder, lease.maddrs, timeout=timeout)
     stream = await transport.open(holder, COORD_PROTOCOL, timeout=timeout)
@@ -169,29 +207,10 @@ async def submit_job(
         await stream.close()
     if kind is FrameKind.ERROR:
         reason = bytes(body).decode("utf-8", "replace")[:500]
-        raise CoordinatorError(f"the coordinator {holder[-8:]} refused job {job.name}: {reason}")
+        raise CoordinatorError(f"the coordinator {holder[-8:]} refused job {request.job}: {reason}")
     if kind is not FrameKind.DATA:
         raise CoordinatorError(f"the coordinator {holder[-8:]} answered with a {kind.name} frame")
     try:
-        reply = JobReply.from_wire(body)
+        return JobReply.from_wire(body)
     except RecordError as e:
         raise CoordinatorError(f"the coordinator {holder[-8:]} sent a malformed reply: {e}") from e
-    if reply.unread:
-        logger.warning(
-            "the coordinator planned job %s without %d directory key(s) it could not read in time "
-            "(their peers and links are unknown to the plan): %s",
-            run_id,
-            len(reply.unread),
-            ", ".join(reply.unread[:5]),
-        )
-    now_lease = lease_in_force(await directory.fetch_leases(), get_dht_time())
-    if now_lease is None or (now_lease.epoch, now_lease.holder) != (reply.epoch, reply.coordinator):
-        raise CoordinatorError(f"the coordinator changed while planning job {job.name}; submit it again")
-    records = (await directory.fetch_plans(run_id)).get((reply.epoch, reply.coordinator))
-    if not records:
-        raise CoordinatorError(f"job {run_id}'s plan (epoch {reply.epoch}) is not in the DHT")
-    topo = Topology.from_records(reply.peers, reply.links)
-    policy = compression_policy(job.compression, job.max_ratio)
-    cost = CostConfig(n_micro_batches=job.n_micro_batches, compression=policy)
-    plan = Plan.from_records(records, traced.dag, topo, cost, method=job.plan_method)
-    return SubmittedJob(run_id, plan, reply, topo, traced, transport.peer_id, cost)

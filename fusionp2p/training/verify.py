@@ -1,0 +1,135 @@
+"""The data owner's check of the coordinator: a plan counts only if the data owner gets the
+same plan itself, from records the DHT vouches for.
+
+A coordinator is any peer that won the lease, so it is verified, not trusted. Planning is
+deterministic and the coordinator plans on exactly the records its reply cites (the
+candidates and every pair between them), so the data owner plans them again and accepts
+only an equal plan. The cited records must be the swarm's: the data owner's own record and
+links as it sent them, every other peer's profile as its signed record in the DHT says
+(speeds scaled only as the request asked), its free memory within ``MEMORY_SLACK`` of what
+the DHT says now, every measured link within ``LINK_SLACK`` of its signed record, no
+inferred link faster than ``LINK_SLACK`` times the fastest link the data owner saw
+measured, and every peer the data owner probed itself among the candidates. A coordinator
+can then only plan what OP-Fence (or the baseline asked for) makes of the swarm as it is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from fusionp2p.errors import CoordinatorError
+from fusionp2p.opdag.ir import OpDag
+from fusionp2p.planning import CostConfig, Plan, PlanningError, Topology, plan_job
+from fusionp2p.records import JobReply, JobRequest, LinkRecord, PeerRecord, PlanStageRecord
+
+__all__ = ["LINK_SLACK", "MEMORY_SLACK", "check_reply_records", "verified_plan"]
+
+MEMORY_SLACK = 2.0  # a cited peer's free memory may differ this much (either way) from the DHT's now
+LINK_SLACK = 8.0  # a cited link may differ this much from its signed record: probes vary (2.4x seen on
+# loopback within seconds) and the coordinator reads the DHT a few seconds earlier
+
+
+def _refuse(coordinator: str, why: str) -> CoordinatorError:
+    return CoordinatorError(f"the coordinator {coordinator[-8:]}'s reply is refused: {why}")
+
+
+def _check_peer(cited: PeerRecord, signed: PeerRecord | None, factor: float, coordinator: str) -> None:
+    who = cited.peer_id[-8:]
+    if signed is None:
+        raise _refuse(coordinator, f"it cites peer {who}, which the DHT holds no live record of")
+    profile = ("device", "total_memory_bytes", "topk_codec_s", "site", "started_at")
+    if any(getattr(cited, f) != getattr(signed, f) for f in profile) or cited.flops != {
+        k: v * factor for k, v in signed.flops.items()
+    }:
+        raise _refuse(coordinator, f"peer {who}'s profile is not the one it signed")
+    low, high = (
+        signed.memory_bytes / MEMORY_SLACK,
+        min(signed.memory_bytes * MEMORY_SLACK, signed.total_memory_bytes),
+    )
+    if not low <= cited.memory_bytes <= high:
+        raise _refuse(
+            coordinator,
+            f"peer {who}'s free memory is cited as {cited.memory_bytes}, not ~{signed.memory_bytes}",
+        )
+
+
+def check_reply_records(
+    reply: JobReply,
+    request: JobRequest,
+    live: Mapping[str, PeerRecord],
+    signed_links: Sequence[LinkRecord],
+    probed: Sequence[str],
+) -> None:
+    """Refuses ``reply`` unless the records it cites are the swarm's (see the module doc):
+    ``live`` are the DHT's live peer records now, ``signed_links`` the DHT's links of the
+    cited peers, ``probed`` the peers this data owner measured a link to.
+
+    Raises:
+        CoordinatorError: the reason, naming the record.
+    """
+    owner, by = request.owner.peer_id, reply.coordinator
+    cited = {p.peer_id: p for p in reply.peers}
+    if cited.get(owner) != request.owner:
+        raise _refuse(by, "it does not cite this data owner's record as it was sent")
+    factors = dict(request.speeds)
+    for peer_id, record in cited.items():
+        if peer_id != owner:
+            _check_peer(record, live.get(peer_id), factors.get(peer_id, 1.0), by)
+    left_out = [p[-8:] for p in probed if p not in cited and p not in request.exclude]
+    if left_out:
+        raise _refuse(by, f"it leaves out idle peers this data owner reached: {left_out}")
+    mine = {(lk.src, lk.dst): lk for lk in request.owner_links}
+    signed = {(lk.src, lk.dst): lk for lk in signed_links}
+    fastest = max([lk.bandwidth_bytes_per_s for lk in (*signed_links, *request.owner_links)], default=0.0)
+    for link in reply.links:
+        key, bandwidth = (link.src, link.dst), link.bandwidth_bytes_per_s
+        if link.src == owner and "inferred" not in link.extra:
+            sent = mine.get(key)
+            if sent is None or (sent.bandwidth_bytes_per_s, sent.rtt_s) != (bandwidth, link.rtt_s):
+                raise _refuse(by, f"this data owner's link to {link.dst[-8:]} is not the one it measured")
+        elif key in signed and "inferred" not in link.extra:
+            truth = signed[key].bandwidth_bytes_per_s
+            if not truth / LINK_SLACK <= bandwidth <= truth * LINK_SLACK:
+                raise _refuse(
+                    by,
+                    f"link {link.src[-8:]} -> {link.dst[-8:]} is cited at {bandwidth:.3g} B/s, "
+                    f"its signed record says {truth:.3g}",
+                )
+        elif bandwidth > LINK_SLACK * fastest:
+            raise _refuse(
+                by,
+                f"link {link.src[-8:]} -> {link.dst[-8:]} is cited at {bandwidth:.3g} B/s, "
+                f"faster than any link measured ({fastest:.3g})",
+            )
+
+
+def verified_plan(
+    records: Sequence[PlanStageRecord], dag: OpDag, reply: JobReply, request: JobRequest, cost: CostConfig
+) -> tuple[Plan, Topology]:
+    """The published plan, if it is what ``request.method`` makes of the records the reply
+    cites; the plan and the topology it runs in.
+
+    Raises:
+        CoordinatorError: the published plan is another one, or incomplete.
+    """
+    owner, by = request.owner.peer_id, reply.coordinator
+    try:
+        topo = Topology.from_records(reply.peers, reply.links)
+        published = Plan.from_records(records, dag, topo, cost, method=request.method)
+        mine = plan_job(dag, topo, owner, method=request.method, cost=cost)
+    except PlanningError as e:
+        raise _refuse(by, f"its plan cannot be checked: {e}") from e
+    same = (
+        published.peer_ids == mine.peer_ids
+        and [s.nodes for s in published.stages] == [s.nodes for s in mine.stages]
+        and published.ratios.keys() == mine.ratios.keys()
+        and all(math.isclose(published.ratios[k], mine.ratios[k], rel_tol=1e-9) for k in mine.ratios)
+    )
+    if not same:
+        raise _refuse(
+            by,
+            f"{request.method} makes another plan of the records it cites (stages on "
+            f"{[p[-8:] for p in mine.peer_ids]}, it published {[p[-8:] for p in published.peer_ids]})",
+        )
+    return published, topo

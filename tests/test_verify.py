@@ -1,0 +1,108 @@
+"""The data owner accepts a coordinator's plan only if it makes the same plan itself from
+records the DHT vouches for: a lying coordinator's plan or records are refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fusionp2p.errors import CoordinatorError
+from fusionp2p.opdag import TransformerShape, transformer_dag
+from fusionp2p.planning import CostConfig, Plan, Topology, plan_job, synthetic_swarm
+from fusionp2p.planning.baselines import baseline_plan
+from fusionp2p.records import JobReply, JobRequest, ModelSpec
+from fusionp2p.training.verify import check_reply_records, verified_plan
+
+DAG = transformer_dag(
+    TransformerShape("gpt2", 8, 512, 8, 256, 128, 2048, 4, True),
+    seq_len=128,
+    micro_batch=4,
+    granularity="block",
+)
+COST = CostConfig(n_micro_batches=4)
+COORDINATOR = "QmCoordinator" + "c" * 33
+
+
+def _swarm() -> tuple[JobRequest, JobReply, Topology]:
+    """An honest coordinator's reply on a synthetic swarm: the data owner is its first peer."""
+    peers, links, _ = synthetic_swarm(7, n_peers=8)
+    owner = peers[0]
+    request = JobRequest(
+        "job-1",
+        ModelSpec("gpt2", {}, (4, 128)),
+        4,
+        "planned",
+        "op-fence",
+        owner,
+        tuple(lk for lk in links if lk.src == owner.peer_id),
+        max_ratio=20.0,
+    )
+    topo = Topology.from_records(peers, links)
+    reply = JobReply("job-1", 1, 1, COORDINATOR, tuple(peers), tuple(topo.link_records(0.0)))
+    return request, reply, Topology.from_records(reply.peers, reply.links)
+
+
+def _published(plan: Plan, request: JobRequest) -> list:
+    return plan.to_records(
+        plan_id="job-1", epoch=1, made_by=COORDINATOR, made_at=0.0, data_owner=request.owner.peer_id
+    )
+
+
+def _check(reply: JobReply, request: JobRequest, probed: list[str] | None = None) -> None:
+    live = {p.peer_id: p for p in _swarm()[1].peers}
+    signed = [lk for lk in synthetic_swarm(7, n_peers=8)[1] if lk.src != request.owner.peer_id]
+    check_reply_records(reply, request, live, signed, probed or [lk.dst for lk in request.owner_links])
+
+
+def test_an_honest_plan_is_accepted() -> None:
+    request, reply, topo = _swarm()
+    honest = plan_job(DAG, topo, request.owner.peer_id, method="op-fence", cost=COST)
+    _check(reply, request)
+    plan, _ = verified_plan(_published(honest, request), DAG, reply, request, COST)
+    assert plan.peer_ids == honest.peer_ids and [s.nodes for s in plan.stages] == [
+        s.nodes for s in honest.stages
+    ]
+
+
+def test_a_plan_that_is_not_op_fences_is_refused() -> None:
+    request, reply, topo = _swarm()
+    peers = topo.without(request.owner.peer_id)
+    other = baseline_plan("equal-number", DAG, peers, COST, "none")  # e.g. every peer, in PeerID order
+    with pytest.raises(CoordinatorError, match="makes another plan"):
+        verified_plan(_published(other, request), DAG, reply, request, COST)
+
+
+@pytest.mark.parametrize(
+    ("lie", "refusal"),
+    [
+        ("faster peer", "profile"),
+        ("more memory", "free memory"),
+        ("faster link", "cited at"),
+        ("hidden peer", "leaves out"),
+        ("unknown peer", "no live record"),
+        ("other owner links", "not the one it measured"),
+    ],
+)
+def test_records_the_dht_does_not_vouch_for_are_refused(lie: str, refusal: str) -> None:
+    request, reply, _ = _swarm()
+    peers, links = list(reply.peers), list(reply.links)
+    victim = peers[3]
+    probed = [lk.dst for lk in request.owner_links]
+    if lie == "faster peer":
+        peers[3] = dataclasses.replace(victim, flops={"float32": victim.fp32_flops * 100})
+    elif lie == "more memory":
+        peers[3] = dataclasses.replace(victim, memory_bytes=victim.memory_bytes * 4)
+    elif lie == "faster link":
+        i = next(k for k, lk in enumerate(links) if lk.src == victim.peer_id and not lk.extra)
+        links[i] = dataclasses.replace(links[i], bandwidth_bytes_per_s=links[i].bandwidth_bytes_per_s * 1000)
+    elif lie == "hidden peer":
+        probed = [*probed, "Qm" + "h" * 44]
+    elif lie == "unknown peer":
+        peers.append(dataclasses.replace(victim, peer_id="Qm" + "u" * 44))
+    else:
+        i = next(k for k, lk in enumerate(links) if lk.src == request.owner.peer_id)
+        links[i] = dataclasses.replace(links[i], rtt_s=links[i].rtt_s / 10)
+    lying = dataclasses.replace(reply, peers=tuple(peers), links=tuple(links))
+    with pytest.raises(CoordinatorError, match=refusal):
+        _check(lying, request, probed)
