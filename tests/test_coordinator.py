@@ -10,13 +10,14 @@ older epoch, or signed by a peer without the lease, is refused by the stages.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import signal
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -149,8 +150,8 @@ def _options(submitted: SubmittedJob, epoch: int, job: str) -> JobOptions:
     return JobOptions(job=job, n_micro_batches=submitted.plan.n_micro_batches, epoch=epoch)
 
 
-def _forger_publishes(local: LocalSwarm, records_of: object, tmp: Path) -> str:
-    """A peer that does not hold the lease signs and publishes a plan; returns its PeerID."""
+def _forger_does(local: LocalSwarm, act: Callable[[SwarmDirectory, str], Awaitable[None]], tmp: Path) -> str:
+    """A DHT participant that is no peer runs ``act`` with its own signed directory; its PeerID."""
     identity = str(tmp / "forger.key")
     forger = ensure_identity(identity).to_base58()
     key = load_signing_key(identity)
@@ -159,14 +160,44 @@ def _forger_publishes(local: LocalSwarm, records_of: object, tmp: Path) -> str:
     dht = start_dht(initial_peers=local.initial_peers, identity_path=identity, signing_key=key)
     try:
         directory = SwarmDirectory(dht, local.swarm, owner_marker=RSASignatureValidator(key).local_public_key)
-        records = records_of(forger)  # type: ignore[operator]
-        stored = loop.run_until_complete(directory.publish_plan(records, get_dht_time() + 60))
-        assert stored == len(records)
+        loop.run_until_complete(act(directory, forger))
     finally:
         dht.shutdown()
         loop.close()
         asyncio.set_event_loop(None)
     return forger
+
+
+def _forger_publishes(local: LocalSwarm, records_of: Callable[[str], list], tmp: Path) -> str:
+    """A peer that does not hold the lease signs and publishes a plan; returns its PeerID."""
+
+    async def publish(directory: SwarmDirectory, forger: str) -> None:
+        records = records_of(forger)
+        assert await directory.publish_plan(records, get_dht_time() + 60) == len(records)
+
+    return _forger_does(local, publish, tmp)
+
+
+def test_a_lease_of_a_huge_epoch_or_far_ahead_is_ignored_and_coordination_goes_on(
+    client: Swarm, local: LocalSwarm, tmp_path: Path
+) -> None:
+    honest = client.coordinator()
+    assert honest is not None
+
+    async def claim(directory: SwarmDirectory, forger: str) -> None:
+        now = get_dht_time()
+        huge = LeaseRecord(forger, 1 << 40, now, now + 1e9, maddrs=(), period_s=LEASE_S)
+        assert await directory.publish_lease(huge, now + 60)  # stored: it is well-formed and signed
+        overflow = dataclasses.replace(huge, epoch=2**64 - 1)  # does not fit the wire's epoch
+        assert not await directory.publish_lease(overflow, now + 61)
+
+    forger = _forger_does(local, claim, tmp_path)
+    assert any(lease.holder == forger for lease in client.call(client.directory.fetch_leases()))
+    time.sleep(2 * LEASE_S)  # keepers read the claim several times
+    now = client.coordinator()
+    assert now is not None and (now.holder, now.epoch) == (honest.holder, honest.epoch)
+    submitted = client.data_owner().submit(_job(tmp_path, min_peers=1))
+    assert submitted.epoch == honest.epoch and submitted.reply.coordinator == honest.holder
 
 
 def test_a_plan_not_signed_by_the_lease_holder_is_refused(
