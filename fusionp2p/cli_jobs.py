@@ -33,6 +33,14 @@ def add_train_parser(sub: Any, add_swarm_args: Any) -> None:
         metavar="N",
         help="start a local swarm of N peer processes on this machine for the job (a demo)",
     )
+    train.add_argument(
+        "--allow-model",
+        action="append",
+        default=[],
+        metavar="MODULE:FACTORY",
+        help="let the job's [model] family name this factory, importable here (repeatable); "
+        "a job file may name only the built-in families otherwise",
+    )
     train.add_argument("--steps", type=int, help="override the job's [train] steps")
     train.add_argument("--out-dir", help="override the job's [output] dir")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (metrics still written)")
@@ -67,9 +75,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(EXAMPLE_CONFIG, end="")
         return 0
     job = _load_job(args)
+    from fusionp2p.opdag.families import ModelRegistry
     from fusionp2p.training.trainer import preflight
 
-    preflight(job)
+    registry = ModelRegistry(allow=args.allow_model)  # what the file names is data: nothing imported
+    preflight(job, registry)
     if args.local < 0 or args.local > 16:
         raise ConfigError(f"--local takes 1-16 peers, got {args.local}")
     if not args.local and not args.initial_peers:
@@ -85,11 +95,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             LocalSwarm(args.local, peer_args=[fast] * args.local, log_level="warning") as local,
             Swarm(local.initial_peers, swarm=local.swarm) as swarm,
         ):
-            swarm.train(job, progress=not args.no_progress, resume=args.resume)
+            swarm.train(job, progress=not args.no_progress, resume=args.resume, registry=registry)
         print("the local swarm stopped; no peer process is left.")
         return 0
     with Swarm(args.initial_peers, swarm=args.swarm, site=args.site) as swarm:
-        swarm.train(job, progress=not args.no_progress, resume=args.resume)
+        swarm.train(job, progress=not args.no_progress, resume=args.resume, registry=registry)
     return 0
 
 

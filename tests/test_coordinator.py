@@ -329,6 +329,21 @@ def test_train_cli_refuses_a_bad_job_in_one_line(client: Swarm, tmp_path: Path, 
     assert _p2pd_pids() <= before  # nothing left running
 
 
+def test_a_job_file_naming_an_import_path_runs_nothing_unless_train_allows_it(tmp_path: Path) -> None:
+    (tmp_path / "pwn_module.py").write_text(f"open({str(tmp_path / 'pwned')!r}, 'w').close()\nbuild = None\n")
+    config = tmp_path / "job.toml"
+    config.write_text('name = "x"\n[model]\nfamily = "pwn_module:build"\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "fusionp2p", "train", "--config", str(config), "--local", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,  # the module is importable from here
+    )
+    assert done.returncode != 0 and "--allow-model pwn_module:build" in done.stderr
+    assert not (tmp_path / "pwned").exists()  # the family named in the file was never imported
+
+
 def test_train_cli_example_config_is_a_valid_job() -> None:
     done = _train_cli(["--example-config"])
     assert done.returncode == 0

@@ -4,16 +4,17 @@ at most one place in the planning queue."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from job_helpers import peer_record
 
 from fusionp2p.coordination.coordinator import Coordinator
-from fusionp2p.errors import LimitError
+from fusionp2p.errors import ConfigError, LimitError
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.memory_transport import MemoryTransport
 from fusionp2p.opdag.families import ModelRegistry
-from fusionp2p.records import COORD_PROTOCOL, JobReply, JobRequest, ModelSpec
+from fusionp2p.records import COORD_PROTOCOL, JobReply, JobRequest, ModelSpec, PlanStageRecord
 
 COORDINATOR, OWNER, OTHER = ("Qm" + c * 44 for c in "cab")
 
@@ -31,9 +32,17 @@ def _request(owner: str, spec: ModelSpec) -> JobRequest:
     )
 
 
+class _Plans:
+    """The plans part of a SwarmDirectory: one job id already planned for OWNER."""
+
+    async def fetch_plans(self, job: str) -> dict:
+        record = PlanStageRecord(job, 1, 0, 1, OTHER, "gpt2@x", (0, 4), {}, 2, 0.1, COORDINATOR, 0.0, OWNER)
+        return {(1, COORDINATOR): [record]} if job == "taken" else {}
+
+
 def _coordinator(hub: dict) -> Coordinator:
     transport = MemoryTransport(COORDINATOR, hub)
-    return Coordinator(transport, object(), _Keeper(), ModelRegistry(), timeout=30)  # type: ignore[arg-type]
+    return Coordinator(transport, _Plans(), _Keeper(), ModelRegistry(), timeout=30)  # type: ignore[arg-type]
 
 
 def test_a_request_whose_model_cannot_be_traced_gets_an_error_reply() -> None:
@@ -46,12 +55,26 @@ def test_a_request_whose_model_cannot_be_traced_gets_an_error_reply() -> None:
             stream = await owner.open(COORDINATOR, COORD_PROTOCOL, timeout=5)
             await stream.send(FrameKind.DATA, _request(OWNER, spec).to_wire(), timeout=5)
             kind, reply = await stream.recv(max_payload=JobReply.MAX_BYTES, timeout=60)
-            assert kind is FrameKind.ERROR and b"planning failed" in reply
+            assert kind is FrameKind.ERROR and b"planning failed: RuntimeError" in reply
         finally:
             await coordinator.aclose()
             await owner.aclose()
 
     asyncio.run(run())
+
+
+def test_a_job_id_belongs_to_the_data_owner_it_was_planned_for() -> None:
+    coordinator = Coordinator(
+        MemoryTransport(COORDINATOR, {}),
+        _Plans(),
+        _Keeper(),
+        ModelRegistry(),  # type: ignore[arg-type]
+    )
+    spec = ModelSpec("gpt2", {}, input_shape=(1, 4))
+    taken = dataclasses.replace(_request(OTHER, spec), job="taken")
+    with pytest.raises(ConfigError, match="belongs to another data owner"):
+        asyncio.run(coordinator._check_job_id(taken))
+    asyncio.run(coordinator._check_job_id(dataclasses.replace(taken, owner=peer_record(OWNER))))
 
 
 def test_one_identity_holds_one_place_in_the_planning_queue() -> None:

@@ -265,6 +265,22 @@ def test_a_silent_owner_loses_its_job_after_the_idle_timeout(caplog: pytest.LogC
     assert "nothing from its owner or neighbours" in caplog.text
 
 
+def test_an_owner_that_only_fetches_does_not_keep_its_job_alive() -> None:
+    async def run() -> None:
+        async with net() as n:
+            d = await driver(n)
+            stream = await n.owner.open(STAGE, EXEC_PROTOCOL, timeout=2)
+            fetch = ExecControl(command="fetch", job=d.job, what="params")
+            deadline = time.monotonic() + 4 * LIMITS.job_idle_timeout  # the reaper looks every idle timeout
+            while n.service.jobs and time.monotonic() < deadline:
+                await ask(stream, fetch)  # a stranger's trick to hold a peer: no progress, only reads
+                await asyncio.sleep(LIMITS.job_idle_timeout / 4)
+            assert not n.service.jobs
+            await d.service.aclose()
+
+    asyncio.run(run())
+
+
 def test_a_job_whose_forward_waits_for_its_window_is_still_freed_when_its_owner_dies() -> None:
     async def run() -> None:
         async with net() as n:

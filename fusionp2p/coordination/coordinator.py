@@ -263,8 +263,20 @@ class Coordinator:
             )
         return epoch
 
+    async def _check_job_id(self, request: JobRequest) -> None:
+        """A job id belongs to the data owner it was first planned for.
+
+        Raises:
+            ConfigError: a plan of this id names another data owner.
+        """
+        plans = await self.directory.fetch_plans(request.job)
+        owners = {r.data_owner for records in plans.values() for r in records}
+        if owners - {request.owner.peer_id}:
+            raise ConfigError(f"job id {request.job} belongs to another data owner; submit under another id")
+
     async def _plan(self, request: JobRequest) -> JobReply:
         owner = request.owner.peer_id
+        await self._check_job_id(request)
         traced = await asyncio.to_thread(trace_spec, request.spec, self.registry, fake=True)
         unread = Unread()  # directory keys it plans without: the reply says so
         found, view = await self._candidates(request, unread)

@@ -286,13 +286,16 @@ class ExecutorService:
             await self._setup(remote, header.job, body)
             return FrameKind.ACK, b""
         job = self._job(header.job)
-        job.touch()
+        progress = header.command != "fetch"  # reading a job's state does not keep it alive
+        if progress:
+            job.touch()
         job.busy += 1
         try:
             return await self._job_control(job, header, body)
         finally:
             job.busy -= 1
-            job.touch()
+            if progress:
+                job.touch()
 
     async def _job_control(
         self, job: Job, header: ExecControl, body: bytes | bytearray

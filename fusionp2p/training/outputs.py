@@ -33,10 +33,13 @@ def save_weights(params: dict[str, torch.Tensor], path: Path) -> Path:
     return path
 
 
-def save_pretrained(spec: ModelSpec, params: dict[str, torch.Tensor], out: Path) -> Path | None:
-    """``save_pretrained`` of a transformers family's model holding ``params``; None for others
-    (or when a tensor the model needs is missing, with a warning)."""
-    family, config = resolve_spec(spec, ModelRegistry.for_data_owner(spec.family))
+def save_pretrained(
+    spec: ModelSpec, params: dict[str, torch.Tensor], out: Path, registry: ModelRegistry | None = None
+) -> Path | None:
+    """``save_pretrained`` of a transformers family's model holding ``params`` (built from
+    ``registry``, the one the job was trained with); None for others (or when a tensor the
+    model needs is missing, with a warning)."""
+    family, config = resolve_spec(spec, registry or ModelRegistry.for_data_owner(spec.family))
     with torch.device("meta"):
         wrapper = family.build(config)
     inner = getattr(wrapper, "model", None)

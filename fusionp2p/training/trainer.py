@@ -279,7 +279,8 @@ def train(
         metrics.close()
         run.close()
     weights = save_weights(params, run.run_dir / "weights.safetensors")
-    pretrained = save_pretrained(job.model_spec(), params, run.run_dir / "pretrained")
+    spec = job.model_spec()
+    pretrained = save_pretrained(spec, params, run.run_dir / "pretrained", registry)
     seconds = time.perf_counter() - start
     window = max(1, min(10, len(losses) // 2))
     out(
