@@ -206,8 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH", "")]))}
     ModelRegistry(allow=["user_models:SkipNet"])  # fails here, not on the peer, if it cannot import
     print("starting one peer...", flush=True)
-    with LocalSwarm(
-        1, swarm="hostile", env=env, allow_models=["user_models:SkipNet"], log_level="warning"
+    with LocalSwarm(  # no coordinator: the peer takes unplanned jobs, the widest surface
+        1,
+        swarm="hostile",
+        env=env,
+        allow_models=["user_models:SkipNet"],
+        log_level="warning",
+        peer_args=[["--no-coordinator"]],
     ) as local:
         idle, _ = rss(local.peers[0])
         rows = asyncio.run(attack_all(local))

@@ -37,7 +37,9 @@ SPEC = ModelSpec(
 def run(micro_batches: list[int], iterations: int) -> list[dict[str, float]]:
     rows = []
     with (
-        LocalSwarm(3, swarm="pipebench", log_level="warning") as local,
+        LocalSwarm(
+            3, swarm="pipebench", log_level="warning", peer_args=[["--no-coordinator"]] * (3)
+        ) as local,
         Swarm(local.initial_peers, swarm=local.swarm) as swarm,
     ):
         while len(swarm.peers()) < 3:

@@ -130,7 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, config, shape, n_mb, n_stages in CASES[1:] if args.quick else CASES:
         spec = ModelSpec("gpt2", config, input_shape=shape)
         print(f"  {name}: {n_stages} stages, {n_mb} micro-batches of {shape}", flush=True)
-        with LocalSwarm(n_stages - 1, swarm="memory", log_level="warning") as local:
+        with LocalSwarm(
+            n_stages - 1,
+            swarm="memory",
+            log_level="warning",
+            peer_args=[["--no-coordinator"]] * (n_stages - 1),
+        ) as local:
             measured = asyncio.run(run_job(local, spec, n_mb, n_stages))
         for stage, (need, (idle, warm, peak)) in enumerate(
             zip(needs(spec, n_stages, n_mb), measured, strict=True), 1

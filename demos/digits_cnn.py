@@ -93,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"digits: {len(batches) * args.batch} training images, {len(test_y)} test images", flush=True)
     print(f"starting {args.peers} local peers...", flush=True)
     started = time.monotonic()
-    with LocalSwarm(args.peers, swarm="digits", log_level="warning") as local:
+    # no coordinator: this demo splits the model by hand (a swarm with one runs only its plans)
+    no_coordinator = [["--no-coordinator"]] * args.peers
+    with LocalSwarm(args.peers, swarm="digits", log_level="warning", peer_args=no_coordinator) as local:
         weights = train(args, spec, batches, local)
     if weights is None:
         return 1

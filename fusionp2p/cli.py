@@ -150,6 +150,14 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         help="take jobs only from these peers (repeatable): a private swarm",
     )
     jobs.add_argument(
+        "--accept-unplanned-from",
+        action="append",
+        default=[],
+        metavar="PEER_ID",
+        help="take jobs no coordinator planned from these peers too (repeatable); while the swarm "
+        "has a coordinator, others' unplanned jobs are refused",
+    )
+    jobs.add_argument(
         "--max-inbound-memory",
         type=_size,
         default=_PEER.exec_limits.inbound_bytes,
@@ -275,6 +283,7 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         max_memory_bytes=args.max_memory,
         max_jobs=args.max_jobs,
         accept_jobs_from=tuple(args.accept_jobs_from),
+        accept_unplanned_from=tuple(args.accept_unplanned_from),
         coordinator=not args.no_coordinator,
         lease_seconds=args.lease_seconds,
         exec_limits=ExecLimits(

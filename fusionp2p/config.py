@@ -185,6 +185,7 @@ class ExecLimits:
     max_stages: int = 64  # stages of one job
     idle_timeout: float = 30.0  # an inbound stream that starts no frame for this long is closed
     stall_timeout: float = 30.0  # a frame whose bytes stop arriving for this long is dropped
+    min_inbound_rate: float = 512 << 10  # ... or that arrives slower than this (bytes/s) in all
     streams_per_peer: int = 16  # concurrent inbound streams from one remote peer, every protocol
     streams_total: int = 256  # concurrent inbound streams from all peers
     inbox_depth: int = 256  # OpData queued for compute per job; more waits (back-pressure)
@@ -209,6 +210,7 @@ class ExecLimits:
             idle_timeout=self.idle_timeout,
             stall_timeout=self.stall_timeout,
             job_idle_timeout=self.job_idle_timeout,
+            min_inbound_rate=self.min_inbound_rate,
         )
 
 
@@ -238,6 +240,7 @@ class PeerConfig:
     )
     max_jobs: int = 1  # jobs served at once; a setup beyond this is refused, never replaces one
     accept_jobs_from: tuple[str, ...] = ()  # PeerIDs allowed to set jobs up here; empty: anyone
+    accept_unplanned_from: tuple[str, ...] = ()  # ... a job no coordinator planned, while one exists
     exec_limits: ExecLimits = field(default_factory=ExecLimits)
     coordinator: bool = True  # stands for coordinator election (False: --no-coordinator)
     lease_seconds: float = 15.0  # the coordinator lease's period; a dead holder is replaced within 3
@@ -273,9 +276,10 @@ class PeerConfig:
         for target in self.allow_models:
             if not isinstance(target, str) or not re.fullmatch(r"[\w.]+:[\w.]+", target):
                 raise ConfigError(f"PeerConfig.allow_models holds {target!r}, not 'package.module:factory'")
-        for peer_id in self.accept_jobs_from:
-            if not isinstance(peer_id, str) or not PEER_ID_RE.match(peer_id):
-                raise ConfigError(f"PeerConfig.accept_jobs_from holds {peer_id!r}, not a base58 PeerID")
+        for name in ("accept_jobs_from", "accept_unplanned_from"):
+            for peer_id in getattr(self, name):
+                if not isinstance(peer_id, str) or not PEER_ID_RE.match(peer_id):
+                    raise ConfigError(f"PeerConfig.{name} holds {peer_id!r}, not a base58 PeerID")
         if self.max_memory_bytes is not None:
             _positive_ints("PeerConfig", max_memory_bytes=self.max_memory_bytes)
         _positive_ints("PeerConfig", max_jobs=self.max_jobs)

@@ -24,9 +24,9 @@ from hivemind.utils import get_dht_time
 
 from fusionp2p.config import PeerConfig
 from fusionp2p.coordination.coordinator import Coordinator
-from fusionp2p.coordination.election import LeaseJudge, LeaseKeeper
+from fusionp2p.coordination.election import LeaseJudge, LeaseKeeper, read_lease
 from fusionp2p.coordination.plan_check import check_planned_setup
-from fusionp2p.errors import FusionP2PError
+from fusionp2p.errors import FusionP2PError, ProtocolError
 from fusionp2p.net.dht_node import start_dht
 from fusionp2p.net.directory import SwarmDirectory, Unread
 from fusionp2p.net.identity import ensure_identity, load_signing_key
@@ -187,7 +187,24 @@ class Peer:
         return self.multiaddrs
 
     async def _check_plan(self, setup: JobSetup, sender: str) -> None:
-        await check_planned_setup(self.directory, setup, sender=sender, me=self.peer_id, judge=self.judge)
+        """A planned setup must be the coordinator's plan in force; an unplanned one (epoch 0)
+        comes only from a peer the operator lists, or while the swarm has no coordinator.
+
+        Raises:
+            ProtocolError: the reason, sent back to the data owner.
+        """
+        if setup.epoch:
+            await check_planned_setup(self.directory, setup, sender=sender, me=self.peer_id, judge=self.judge)
+            return
+        if sender in self.config.accept_unplanned_from:
+            return
+        lease = await read_lease(self.directory, self.judge)
+        if lease is not None:
+            raise ProtocolError(
+                f"job {setup.job}: this swarm has a coordinator ({lease.holder[-8:]}, epoch {lease.epoch}), "
+                "so this peer runs only its published plans; its operator takes unplanned jobs with "
+                "--accept-unplanned-from"
+            )
 
     def _jobs_changed(self) -> None:
         if self._closed or self.executors is None:

@@ -26,14 +26,15 @@ T = TypeVar("T")
 
 
 def user_model_swarm(n: int, *, swarm: str, workdir: str, peer_args: Sequence[str] = ()) -> LocalSwarm:
-    """``n`` peers that can import ``tests/user_models.py`` and serve ``user_models:SkipNet``."""
+    """``n`` peers that can import ``tests/user_models.py`` and serve ``user_models:SkipNet``,
+    with no coordinator: a test's data owner sets its own splits up (unplanned jobs)."""
     tests_dir = str(Path(__file__).parent)
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH", "")]))}
     return LocalSwarm(
         n,
         swarm=swarm,
         workdir=workdir,
-        peer_args=[["--probe-period", "30", *peer_args]] * n,
+        peer_args=[["--probe-period", "30", "--no-coordinator", *peer_args]] * n,
         env=env,
         allow_models=["user_models:SkipNet"],
     )

@@ -34,7 +34,7 @@ from fusionp2p.net.dht_node import start_dht
 from fusionp2p.net.directory import SwarmDirectory
 from fusionp2p.net.identity import ensure_identity, load_signing_key
 from fusionp2p.planning import CompressionPolicy, CostConfig, Topology, plan_job
-from fusionp2p.records import LeaseRecord
+from fusionp2p.records import LeaseRecord, ModelSpec
 from fusionp2p.runtime.job_setup import JobOptions
 from fusionp2p.swarm import Swarm
 from fusionp2p.training.corpus import TextCorpus
@@ -198,6 +198,14 @@ def test_a_lease_of_a_huge_epoch_or_far_ahead_is_ignored_and_coordination_goes_o
     assert now is not None and (now.holder, now.epoch) == (honest.holder, honest.epoch)
     submitted = client.data_owner().submit(_job(tmp_path, min_peers=1))
     assert submitted.epoch == honest.epoch and submitted.reply.coordinator == honest.holder
+
+
+def test_an_unplanned_job_is_refused_while_the_swarm_has_a_coordinator(client: Swarm) -> None:
+    """A data owner's own split (epoch 0) goes around the coordinator: a peer of a swarm
+    with one refuses it, so no identity can occupy peers outside the plans."""
+    spec = ModelSpec("gpt2", GPT, input_shape=(2, 32))
+    with pytest.raises(ProtocolError, match="this swarm has a coordinator"):
+        client.data_owner().pipeline(spec, n_stages=2, options=JobOptions(n_micro_batches=2))
 
 
 def test_a_plan_not_signed_by_the_lease_holder_is_refused(

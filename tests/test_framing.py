@@ -1,9 +1,10 @@
 import asyncio
+import time
 
 import pytest
 
 from fusionp2p.errors import PeerUnreachableError, ProtocolError
-from fusionp2p.net.framing import FRAME_VERSION, HEADER, FrameKind, read_frame, write_frame
+from fusionp2p.net.framing import FRAME_VERSION, HEADER, FrameKind, read_exactly, read_frame, write_frame
 
 
 class _Sink:
@@ -59,3 +60,28 @@ def test_a_silent_peer_hits_the_deadline() -> None:
             await read_frame(asyncio.StreamReader(), max_payload=10, timeout=0.2)
 
     asyncio.run(run())
+
+
+def test_a_frame_dripped_slower_than_the_minimum_rate_is_dropped() -> None:
+    """Each 64 KiB piece comes before the stall deadline, yet the whole frame is too slow: a
+    sender cannot hold a large buffer on the peer by dripping it."""
+
+    async def run(min_rate: float) -> float:
+        reader = asyncio.StreamReader()
+
+        async def drip() -> None:
+            for _ in range(4):
+                reader.feed_data(b"\x00" * (64 << 10))
+                await asyncio.sleep(0.2)  # each piece within the 0.3 s stall timeout: 0.8 s in all
+
+        dripper = asyncio.create_task(drip())
+        start = time.monotonic()
+        try:
+            await read_exactly(reader, 256 << 10, stall_timeout=0.3, min_rate=min_rate)
+        finally:
+            dripper.cancel()
+        return time.monotonic() - start
+
+    with pytest.raises(PeerUnreachableError, match="too slow"):
+        asyncio.run(run(min_rate=1 << 20))  # allowed 0.3 s + 256 KiB / (1 MiB/s) = 0.55 s
+    assert asyncio.run(run(min_rate=256 << 10)) < 1.3  # a sender above the rate gets its frame

@@ -11,6 +11,7 @@ the payload in pieces (``read_exactly``) once it knows what the sender may send.
 from __future__ import annotations
 
 import asyncio
+import math
 import struct
 from enum import IntEnum
 
@@ -90,20 +91,27 @@ async def read_header(reader: asyncio.StreamReader, *, timeout: float) -> tuple[
         raise ProtocolError(f"unknown frame kind {kind}") from None
 
 
-async def read_exactly(reader: asyncio.StreamReader, n: int, *, stall_timeout: float) -> bytes | bytearray:
+async def read_exactly(
+    reader: asyncio.StreamReader, n: int, *, stall_timeout: float, min_rate: float | None = None
+) -> bytes | bytearray:
     """Reads ``n`` bytes of a frame in chunks; each chunk must arrive within ``stall_timeout``
-    (a slow link may take long in all, a stalled sender is dropped). A payload larger than
-    one chunk comes back as a writable ``bytearray`` (tensors are decoded from it in place).
+    (a slow link may take long in all, a stalled sender is dropped) and, with ``min_rate``
+    (bytes/s), the whole within ``stall_timeout + n / min_rate`` (a sender dripping bytes
+    just fast enough not to stall cannot hold a large buffer for long). A payload larger
+    than one chunk comes back as a writable ``bytearray`` (tensors are decoded from it in
+    place).
 
     Raises:
-        PeerUnreachableError: the stream ended or stalled.
+        PeerUnreachableError: the stream ended, stalled or was too slow.
     """
     buf = bytearray(n) if n > _CHUNK else None
     view = memoryview(buf) if buf is not None else None
     done = 0
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + stall_timeout + n / min_rate if min_rate else math.inf
     try:
         while done < n:
-            async with asyncio.timeout(stall_timeout):
+            async with asyncio.timeout(min(stall_timeout, max(0.0, deadline - loop.time()))):
                 chunk = await reader.readexactly(min(_CHUNK, n - done))
             if view is None:
                 return chunk
@@ -112,6 +120,11 @@ async def read_exactly(reader: asyncio.StreamReader, n: int, *, stall_timeout: f
     except asyncio.IncompleteReadError as e:
         raise PeerUnreachableError(f"stream closed after {done + len(e.partial)} of {n} bytes") from e
     except TimeoutError as e:
+        if loop.time() >= deadline:
+            raise PeerUnreachableError(
+                f"frame too slow: {done} of {n} bytes in {stall_timeout + n / (min_rate or 1):.1f} s "
+                f"(at least {min_rate:.0f} B/s)"
+            ) from e
         raise PeerUnreachableError(
             f"frame stalled: no byte for {stall_timeout:.1f} s after {done} of {n}"
         ) from e

@@ -161,9 +161,11 @@ class FrameStream:
         """The next frame's kind and declared length; its payload is still to be read."""
         return await read_header(self._reader, timeout=timeout)
 
-    async def recv_exactly(self, n: int, *, stall_timeout: float) -> bytes | bytearray:
+    async def recv_exactly(
+        self, n: int, *, stall_timeout: float, min_rate: float | None = None
+    ) -> bytes | bytearray:
         """``n`` more bytes of the current frame (see ``read_exactly``)."""
-        return await read_exactly(self._reader, n, stall_timeout=stall_timeout)
+        return await read_exactly(self._reader, n, stall_timeout=stall_timeout, min_rate=min_rate)
 
     async def skip(self, n: int, *, stall_timeout: float) -> None:
         """Reads and drops ``n`` bytes of the current frame."""

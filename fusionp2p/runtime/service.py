@@ -11,7 +11,8 @@ stream is closed; a refused but well-framed request gets its ERROR and the strea
 on. An OpData is acknowledged only after every check, duplicates included; it is then
 queued (bounded) for the single compute thread, never computed while its sender waits,
 so two stages sending to each other cannot deadlock. A setup that follows a coordinator's
-published plan (a nonzero epoch) is first checked against the DHT by ``plan_check``.
+published plan (a nonzero epoch) is first checked against the DHT by ``plan_check``, which
+a peer also asks about an unplanned one (epoch 0): a swarm with a coordinator runs plans.
 """
 
 from __future__ import annotations
@@ -152,7 +153,9 @@ class ExecutorService:
                     )
                 if length <= limits.control_bytes:  # small: one read (the limit allowed this much anyway)
                     header, prefetched = unpack_message(
-                        await stream.recv_exactly(length, stall_timeout=stall)
+                        await stream.recv_exactly(
+                            length, stall_timeout=stall, min_rate=limits.min_inbound_rate
+                        )
                     )
                 else:
                     header, prefetched = await read_message_header(stream, length, stall_timeout=stall), None
@@ -184,7 +187,9 @@ class ExecutorService:
                 body = (
                     prefetched
                     if prefetched is not None
-                    else await stream.recv_exactly(header.body_bytes, stall_timeout=stall)
+                    else await stream.recv_exactly(
+                        header.body_bytes, stall_timeout=stall, min_rate=limits.min_inbound_rate
+                    )
                 )
             except PeerUnreachableError:
                 reservation.release()
@@ -331,7 +336,7 @@ class ExecutorService:
             )
         self._setting_up.add(name)
         try:
-            if setup.epoch and self._plan_check is not None:
+            if self._plan_check is not None:
                 try:
                     await asyncio.wait_for(self._plan_check(setup, remote), self.policy.timeout)
                 except asyncio.TimeoutError:
