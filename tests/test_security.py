@@ -237,7 +237,9 @@ def test_a_model_over_max_memory_is_refused_before_allocation(net: Net, swarm: L
 
 
 def test_a_private_peer_takes_jobs_only_from_its_list(net: Net, swarm: LocalSwarm) -> None:
-    private = swarm.add_peer(["--accept-jobs-from", net.owner.peer_id, "--probe-period", "30"])
+    private = swarm.add_peer(
+        ["--accept-jobs-from", net.owner.peer_id, "--probe-period", "30", "--no-coordinator"]
+    )
 
     async def main() -> str:
         client = ExecClient(net.stranger, private.peer_id, timeout=30)

@@ -18,7 +18,8 @@
 - ``jobs.py``: one job's state on a serving peer and its outgoing OpData streams.
 - ``compute.py``: the one compute thread, its bounded queue, and readiness per job.
 - ``service.py``: the exec protocol server: who may ask what, and how much.
-- ``driver.py``: the data owner's PipelineDriver: sets a job up and drives iterations.
+- ``driver.py``: the data owner's PipelineDriver: sets a job up and drives iterations;
+  ``stage_tensors.py``: a stage's tensors in transit (weight chunks, checkpoint parts).
 
 The layers and how they fit: ``docs/architecture.md``.
 """

@@ -16,7 +16,7 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import safetensors.torch
 import torch
@@ -35,7 +35,7 @@ from fusionp2p.runtime.codec import ExecClient, unpack_message
 from fusionp2p.runtime.job_setup import JobOptions, stage_setups
 from fusionp2p.runtime.losses import LOSSES
 from fusionp2p.runtime.service import ExecutorService, ServicePolicy
-from fusionp2p.runtime.stage_state import OPTIMIZER_KEYS, OPTIMIZER_SEPARATOR
+from fusionp2p.runtime.stage_tensors import belongs_to_stage, check_checkpoint, chunks, restore_tensors
 from fusionp2p.runtime.torch_executor import TorchExecutor
 
 __all__ = ["PipelineDriver"]
@@ -43,44 +43,6 @@ __all__ = ["PipelineDriver"]
 logger = logging.getLogger(__name__)
 
 _SAFETENSORS_SLACK = 64 << 10  # header of a safetensors blob, beyond its tensors' bytes
-
-
-def _chunks(tensors: Mapping[str, torch.Tensor], limit: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Groups tensors into chunks of at most ``limit`` bytes (a larger tensor goes alone)."""
-    chunk: dict[str, torch.Tensor] = {}
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if chunk and size + nbytes > limit:
-            yield chunk
-            chunk, size = {}, 0
-        chunk[name] = tensor
-        size += nbytes
-    if chunk:
-        yield chunk
-
-
-def _check_checkpoint(traced: TracedModel, part: Partition, state: Mapping[str, torch.Tensor]) -> None:
-    """Raises ConfigError unless ``state`` holds every tensor the stages use, in its shape
-    (a tied weight is one tensor under the one name the traced graph uses)."""
-    program = traced.program
-    every = {**getattr(program, "constants", {}), **program.state_dict}
-    model = {name: every[name] for names in part.params.values() for name in names}
-    plain = {k: v for k, v in state.items() if OPTIMIZER_SEPARATOR not in k}
-    missing = sorted(set(model) - set(plain))
-    foreign = sorted(set(plain) - set(model))
-    wrong = sorted(n for n in set(model) & set(plain) if tuple(model[n].shape) != tuple(plain[n].shape))
-    if missing or foreign or wrong:
-        raise ConfigError(
-            f"the checkpoint does not match the model: missing {missing[:3]}, unknown {foreign[:3]}, "
-            f"other shape {wrong[:3]}"
-        )
-
-
-def _restore_tensors(names: Iterable[str], state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors of ``names``, and their optimizer state."""
-    wanted = set(names)
-    return {k: v.contiguous() for k, v in state.items() if k.partition(OPTIMIZER_SEPARATOR)[0] in wanted}
 
 
 def _positions(traced: TracedModel, layout: RuntimeLayout) -> tuple[int, ...]:
@@ -113,26 +75,6 @@ def _trace_and_split(
     assignment = _positions(traced, layout)
     part = partition(traced.program, assignment, len(layout.peers), data_stage=layout.data_stage)
     return traced, assignment, part
-
-
-def _belongs(
-    name: str,
-    tensor: torch.Tensor,
-    weights: Mapping[str, torch.Tensor],
-    trainable: Mapping[str, torch.Tensor],
-) -> bool:
-    """Whether a fetched ``name`` is one of a stage's own tensors (``weights``) in its shape,
-    or optimizer state (``param#key``) of one of its own trainable parameters: a stage can
-    never put another stage's tensors or optimizer state into a checkpoint."""
-    param, separator, key = name.rpartition(OPTIMIZER_SEPARATOR)
-    if not separator:
-        return name in weights and tensor.shape == weights[name].shape
-    return (
-        param in trainable
-        and key in OPTIMIZER_KEYS
-        and tensor.is_floating_point()
-        and tensor.shape in (trainable[param].shape, torch.Size([]))
-    )
 
 
 class PipelineDriver:
@@ -226,8 +168,8 @@ class PipelineDriver:
             ratio_warmup=options.ratio_warmup,
         )
         if initial_state is not None:
-            _check_checkpoint(traced, part, initial_state)
-            own = _restore_tensors(part.params[data_stage], initial_state)
+            check_checkpoint(traced, part, initial_state)
+            own = restore_tensors(part.params[data_stage], initial_state)
             await asyncio.to_thread(executor.load_state, safetensors.torch.save(own))
         policy = ServicePolicy(
             accept_setups=False, max_jobs=1, limits=options.limits, timeout=options.timeout
@@ -275,8 +217,8 @@ class PipelineDriver:
         await client.request(ExecControl(command="setup", job=self.job, body_bytes=len(body)), body)
         tensors = self._stage_tensors(stage, trainable_only=False)
         if self._initial_state is not None:
-            tensors = _restore_tensors(tensors, self._initial_state)
-        for chunk in _chunks(tensors, self._limits.weights_chunk_bytes):
+            tensors = restore_tensors(tensors, self._initial_state)
+        for chunk in chunks(tensors, self._limits.weights_chunk_bytes):
             data = safetensors.torch.save(chunk)
             await client.request(ExecControl(command="weights", job=self.job, body_bytes=len(data)), data)
 
@@ -367,7 +309,7 @@ class PipelineDriver:
                     f"fetch {what} from stage {stage}: not safetensors: {str(e)[:200]}"
                 ) from e
             trainable = self._stage_tensors(stage, trainable_only=True)
-            wrong = sorted(n for n, t in tensors.items() if not _belongs(n, t, weights, trainable))
+            wrong = sorted(n for n, t in tensors.items() if not belongs_to_stage(n, t, weights, trainable))
             if wrong:
                 raise ProtocolError(
                     f"fetch {what} from stage {stage}: tensors that are not this stage's {wrong[:3]}"
