@@ -10,8 +10,6 @@ anything itself.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar
@@ -61,12 +59,3 @@ class ModelSpec(WireRecord):
             raise ConfigError("ModelSpec.config must be a JSON object")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 1 << 63:
             raise ConfigError(f"ModelSpec.seed must be an integer in [0, 2^63), got {self.seed!r:.40}")
-
-    @property
-    def input_numel(self) -> int:
-        return math.prod(self.input_shape)
-
-    def digest(self) -> str:
-        """A short hash of the spec (its fields as canonical JSON)."""
-        body = {k: v for k, v in self.to_body().items() if k not in ("kind", "v")}
-        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
