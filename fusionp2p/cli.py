@@ -170,6 +170,14 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         help="never stand for coordinator election (the coordinator plans everyone's jobs)",
     )
     jobs.add_argument(
+        "--coordinators",
+        action="append",
+        default=[],
+        metavar="PEER_ID",
+        help="accept the coordinator lease only from these peers (repeatable): a private swarm; "
+        "a peer not in the list does not stand for election",
+    )
+    jobs.add_argument(
         "--lease-seconds",
         type=float,
         default=_PEER.lease_seconds,
@@ -285,6 +293,7 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         accept_jobs_from=tuple(args.accept_jobs_from),
         accept_unplanned_from=tuple(args.accept_unplanned_from),
         coordinator=not args.no_coordinator,
+        coordinators=tuple(args.coordinators),
         lease_seconds=args.lease_seconds,
         exec_limits=ExecLimits(
             inbound_bytes=args.max_inbound_memory,

@@ -243,6 +243,7 @@ class PeerConfig:
     accept_unplanned_from: tuple[str, ...] = ()  # ... a job no coordinator planned, while one exists
     exec_limits: ExecLimits = field(default_factory=ExecLimits)
     coordinator: bool = True  # stands for coordinator election (False: --no-coordinator)
+    coordinators: tuple[str, ...] = ()  # the only peers whose lease this peer accepts; empty: any live peer
     lease_seconds: float = 15.0  # the coordinator lease's period; a dead holder is replaced within 3
 
     def __post_init__(self) -> None:
@@ -276,7 +277,7 @@ class PeerConfig:
         for target in self.allow_models:
             if not isinstance(target, str) or not re.fullmatch(r"[\w.]+:[\w.]+", target):
                 raise ConfigError(f"PeerConfig.allow_models holds {target!r}, not 'package.module:factory'")
-        for name in ("accept_jobs_from", "accept_unplanned_from"):
+        for name in ("accept_jobs_from", "accept_unplanned_from", "coordinators"):
             for peer_id in getattr(self, name):
                 if not isinstance(peer_id, str) or not PEER_ID_RE.match(peer_id):
                     raise ConfigError(f"PeerConfig.{name} holds {peer_id!r}, not a base58 PeerID")

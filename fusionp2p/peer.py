@@ -75,7 +75,8 @@ class Peer:
         self._closed = False
         self._maddrs: list[str] = []
         self.executors: ExecutorService | None = None  # runs the stage a data owner assigns here
-        self.judge = LeaseJudge()  # what this peer accepts of lease claims, for its keeper and plan checks
+        # what this peer accepts of lease claims, for its keeper and its plan checks
+        self.judge = LeaseJudge(allowed=frozenset(config.coordinators))
         self.keeper = LeaseKeeper(
             directory, self.peer_id, lease_s=config.lease_seconds, maddrs=self._lease_maddrs, judge=self.judge
         )
@@ -147,7 +148,7 @@ class Peer:
                 plan_check=peer._check_plan,
                 on_jobs_changed=peer._jobs_changed,
             ).start()
-            if config.coordinator:
+            if peer.stands_for_election:
                 peer.coordinator = await Coordinator(
                     transport, directory, peer.keeper, registry, timeout=config.timeouts.dht * 4, gate=gate
                 ).start()
@@ -161,7 +162,7 @@ class Peer:
             raise
         peer._spawn(peer._heartbeat_loop(), "heartbeat")
         peer._spawn(peer._probe_loop(), "probe")
-        if config.coordinator:
+        if peer.stands_for_election:
             peer._spawn(peer.keeper.run(), "lease")
         logger.info("peer %s joined swarm %r", peer.peer_id, config.swarm)
         return peer
@@ -171,6 +172,13 @@ class Peer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+    @property
+    def stands_for_election(self) -> bool:
+        """Whether this peer may become the coordinator: it stands, and its own list of
+        coordinators (if any) names it."""
+        listed = self.config.coordinators
+        return self.config.coordinator and (not listed or self.peer_id in listed)
 
     @property
     def multiaddrs(self) -> list[str]:

@@ -200,6 +200,13 @@ def test_a_lease_of_a_huge_epoch_or_far_ahead_is_ignored_and_coordination_goes_o
     assert submitted.epoch == honest.epoch and submitted.reply.coordinator == honest.holder
 
 
+def test_a_job_is_planned_only_on_its_stage_peers(client: Swarm, local: LocalSwarm, tmp_path: Path) -> None:
+    allowed = local.peers[-1].peer_id
+    submitted = client.data_owner().submit(_job(tmp_path, min_peers=1, stage_peers=(allowed,)))
+    assert set(submitted.plan.peer_ids) == {allowed}
+    assert {p.peer_id for p in submitted.reply.peers} == {allowed, submitted.data_owner}
+
+
 def test_an_unplanned_job_is_refused_while_the_swarm_has_a_coordinator(client: Swarm) -> None:
     """A data owner's own split (epoch 0) goes around the coordinator: a peer of a swarm
     with one refuses it, so no identity can occupy peers outside the plans."""

@@ -94,6 +94,9 @@ def test_keepers_elect_one_coordinator_renew_it_and_replace_a_dead_one() -> None
 def test_a_job_file_names_the_bad_field_in_one_line() -> None:
     job = JobSpec.from_toml(EXAMPLE_CONFIG)
     assert job.name == "stdlib-gpt" and job.n_micro_batches == 4 and job.model_spec().input_shape == (2, 64)
+    assert job.coordinators == job.stage_peers == ()
+    private = JobSpec.from_toml(f"[security]\nstage_peers = ['{A}', '{B}']\n")
+    assert private.stage_peers == (A, B)
     cases = {
         "[train]\nmicro_batch_size = 3\n": "job.toml: [train] micro_batch_size: 3 must divide batch_size 8",
         "[train]\nlr = -1.0\n": "job.toml: [train] lr: must be a number",
@@ -103,6 +106,7 @@ def test_a_job_file_names_the_bad_field_in_one_line() -> None:
         "[model]\nconfig = 3\n": "job.toml: [model] config: must be a table",
         "name = 'a b'\n": "job.toml: name: must be 1-64 letters",
         "[train]\nplan_method = 'random'\n": "job.toml: [train] plan_method: must be one of",
+        "[security]\ncoordinators = ['me']\n": "job.toml: [security] coordinators: must be a list of PeerIDs",
     }
     for text, message in cases.items():
         with pytest.raises(ConfigError) as refused:

@@ -69,6 +69,12 @@ def test_a_lease_out_of_bounds_or_of_no_live_peer_is_refused(case: str, why: str
     assert judge.in_force([lease], live, get_dht_time()) is None
 
 
+def test_a_private_swarm_takes_the_lease_only_from_its_listed_coordinators() -> None:
+    judge, now = LeaseJudge(allowed=frozenset({A})), get_dht_time()
+    assert judge.in_force([_lease(B, 3)], _live(A, B), now) is None
+    assert judge.in_force([_lease(B, 4), _lease(A, 3)], _live(A, B), now).holder == A
+
+
 def test_a_dead_coordinators_epoch_is_never_claimed_again() -> None:
     judge, now = LeaseJudge(), get_dht_time()
     gone = LeaseRecord(holder=A, epoch=7, granted_at=now - 60, valid_until=now - 30, period_s=PERIOD)

@@ -186,7 +186,18 @@ def _examples() -> list[WireRecord]:
             ratio_warmup=RatioWarmup(100, 7),
         ),
         JobRequest(
-            "job-1-p2", _SPEC, 4, "planned", "op-fence", peer, (_LINK,), 20.0, "job-1", (B,), ((B, 0.5),)
+            "job-1-p2",
+            _SPEC,
+            4,
+            "planned",
+            "op-fence",
+            peer,
+            (_LINK,),
+            20.0,
+            "job-1",
+            (B,),
+            ((B, 0.5),),
+            (B,),
         ),
         JobReply("job-1", 3, 2, B, (peer,), (_LINK,), unread=("fusionp2p.peers.3",)),
     ]

@@ -82,6 +82,7 @@ def test_a_plan_that_is_not_op_fences_is_refused() -> None:
         ("hidden peer", "leaves out"),
         ("unknown peer", "no live record"),
         ("other owner links", "not the one it measured"),
+        ("a peer the job does not allow", "does not allow"),
     ],
 )
 def test_records_the_dht_does_not_vouch_for_are_refused(lie: str, refusal: str) -> None:
@@ -100,9 +101,12 @@ def test_records_the_dht_does_not_vouch_for_are_refused(lie: str, refusal: str) 
         probed = [*probed, "Qm" + "h" * 44]
     elif lie == "unknown peer":
         peers.append(dataclasses.replace(victim, peer_id="Qm" + "u" * 44))
-    else:
+    elif lie == "other owner links":
         i = next(k for k, lk in enumerate(links) if lk.src == request.owner.peer_id)
         links[i] = dataclasses.replace(links[i], rtt_s=links[i].rtt_s / 10)
+    else:  # the job allows every cited peer but the victim
+        allowed = tuple(p.peer_id for p in peers if p.peer_id not in (victim.peer_id, request.owner.peer_id))
+        object.__setattr__(request, "only", allowed)  # synthetic ids are no base58 PeerIDs: skip the check
     lying = dataclasses.replace(reply, peers=tuple(peers), links=tuple(links))
     with pytest.raises(CoordinatorError, match=refusal):
         _check(lying, request, probed)

@@ -184,6 +184,7 @@ class Coordinator:
             for pid, p in live.items()
             if pid not in excluded
             and pid in reached
+            and (not request.only or pid in request.only)
             and (p.state == "idle" or (reusable and p.job == reusable))
         ]
         idle = sorted(idle, key=lambda p: (-p.fp32_flops, p.peer_id))[:MAX_PLAN_PEERS]

@@ -13,7 +13,8 @@ Anyone who can write to the DHT can write a lease of its own, so every reader bo
 what it accepts (``LeaseJudge``): a lease valid at most ``HORIZON_PERIODS`` periods ahead
 of the reader's clock, an epoch at most ``EPOCH_STEP`` above the highest the reader
 accepted before (at most ``FIRST_EPOCH`` on first contact), held by a live peer that has
-been in the swarm for at least one lease period. A refused lease counts for nothing, not
+been in the swarm for at least one lease period (and, in a private swarm, one of the
+reader's listed coordinators). A refused lease counts for nothing, not
 even for the next epoch's number, so epochs stay far below ``records.MAX_EPOCH``.
 """
 
@@ -70,6 +71,7 @@ class LeaseJudge:
     epoch it accepted, so an epoch far above it is refused however it is signed."""
 
     seen_epoch: int = 0  # the highest epoch of an acceptable lease this reader read
+    allowed: frozenset[str] = frozenset()  # the only holders this reader accepts (empty: any)
 
     def _numbers_refusal(self, lease: LeaseRecord, now: float) -> str | None:
         period = lease.period_s or DEFAULT_PERIOD_S
@@ -90,6 +92,8 @@ class LeaseJudge:
         why = self._numbers_refusal(lease, now)
         if why is not None:
             return why
+        if self.allowed and lease.holder not in self.allowed:
+            return "its holder is not one of this reader's coordinators"
         if holder is None:
             return "its holder is no live peer"
         period = lease.period_s or DEFAULT_PERIOD_S

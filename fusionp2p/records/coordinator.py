@@ -75,6 +75,7 @@ class JobRequest(WireRecord):
     replaces: Annotated[str, Limit(64)] = ""  # the wire id of the running job this plan replaces
     exclude: Annotated[tuple[str, ...], Limit(MAX_EXCLUDED)] = ()  # peers not to plan on (lost or stopped)
     speeds: Annotated[tuple[tuple[str, float], ...], Limit(MAX_EXCLUDED)] = ()  # (peer, factor on its speed)
+    only: Annotated[tuple[str, ...], Limit(MAX_EXCLUDED)] = ()  # the only peers to plan on; () = any
 
     def __post_init__(self) -> None:
         if not NAME_RE.match(self.job):
@@ -87,8 +88,8 @@ class JobRequest(WireRecord):
             )
         if self.method not in PLAN_METHODS:
             raise RecordError(f"job request method must be one of {PLAN_METHODS}, got {self.method!r:.40}")
-        if not all(PEER_ID_RE.match(p) for p in (*self.exclude, *(p for p, _ in self.speeds))):
-            raise RecordError("job request exclude or speeds holds a value that is not a PeerID")
+        if not all(PEER_ID_RE.match(p) for p in (*self.exclude, *self.only, *(p for p, _ in self.speeds))):
+            raise RecordError("job request exclude, only or speeds holds a value that is not a PeerID")
         for item in self.speeds:
             if not 0 < item[1] <= 1:
                 raise RecordError(

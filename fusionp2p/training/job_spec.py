@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from fusionp2p.config import NAME_RE, OptimizerConfig
+from fusionp2p.config import NAME_RE, PEER_ID_RE, OptimizerConfig
 from fusionp2p.errors import ConfigError
 from fusionp2p.planning.cost import PLANNED_MAX_RATIO
 from fusionp2p.records import COMPRESSIONS, MAX_MICRO_BATCHES, MAX_TOPK_RATIO, PLAN_METHODS, ModelSpec
@@ -80,6 +80,10 @@ max_replans = 10               # give up after this many re-plans
 
 [output]
 dir = "fusionp2p-runs"         # metrics.jsonl, checkpoints, final weights go to <dir>/<name>
+
+[security]                     # a private swarm: trust only these peers (PeerIDs); [] = any
+coordinators = []              # whose coordinator lease this data owner accepts
+stage_peers = []               # the only peers the job's stages may run on
 """
 
 # (section, key) of every TOML entry -> the JobSpec field it sets
@@ -115,6 +119,8 @@ _TOML_FIELDS: dict[tuple[str, str], str] = {
     ("fault", "straggler_min_s"): "straggler_min_s",
     ("fault", "max_replans"): "max_replans",
     ("output", "dir"): "out_dir",
+    ("security", "coordinators"): "coordinators",
+    ("security", "stage_peers"): "stage_peers",
 }
 _WHERE = {f: (f"[{s}] {k}" if s else k) for (s, k), f in _TOML_FIELDS.items()}
 
@@ -177,6 +183,8 @@ class JobSpec:
     straggler_min_s: float = 1.0
     max_replans: int = 10
     out_dir: str = "fusionp2p-runs"
+    coordinators: tuple[str, ...] = ()  # the only peers whose coordinator lease is accepted; () = any
+    stage_peers: tuple[str, ...] = ()  # the only peers the job's stages may run on; () = any
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not NAME_RE.match(self.name):
@@ -227,6 +235,13 @@ class JobSpec:
         _check_int("straggler_steps", self.straggler_steps, 1, 10_000)
         _check_float("straggler_min_s", self.straggler_min_s, 0.0, 86400.0)
         _check_int("max_replans", self.max_replans, 0, 10_000)
+        for name in ("coordinators", "stage_peers"):
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)) or not all(
+                isinstance(p, str) and PEER_ID_RE.match(p) for p in value
+            ):
+                raise ConfigError(f"{_WHERE[name]}: must be a list of PeerIDs, got {value!r:.60}")
+            object.__setattr__(self, name, tuple(value))  # a TOML array arrives as a list
         if not isinstance(self.out_dir, str) or not self.out_dir:
             raise ConfigError(f"[output] dir: must be a directory path, got {self.out_dir!r:.40}")
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,8 +81,10 @@ def plan_job_id(run_id: str, version: int) -> str:
     return run_id if version == 1 else f"{run_id}-p{version}"
 
 
-async def wait_for_peers(directory: SwarmDirectory, n: int, timeout: float) -> list[PeerRecord]:
-    """The idle peers once there are at least ``n`` (fastest first).
+async def wait_for_peers(
+    directory: SwarmDirectory, n: int, timeout: float, *, only: Collection[str] = ()
+) -> list[PeerRecord]:
+    """The idle peers (of ``only``, if given) once there are at least ``n`` (fastest first).
 
     Raises:
         SwarmError: fewer than ``n`` idle peers after ``timeout`` s; the message says how many.
@@ -90,7 +93,10 @@ async def wait_for_peers(directory: SwarmDirectory, n: int, timeout: float) -> l
     deadline = loop.time() + timeout
     while True:
         peers = await directory.fetch_peers(unread=Unread())  # a shard that timed out: count the rest
-        idle = sorted((p for p in peers.values() if p.state == "idle"), key=lambda p: -p.fp32_flops)
+        idle = sorted(
+            (p for p in peers.values() if p.state == "idle" and (not only or p.peer_id in only)),
+            key=lambda p: -p.fp32_flops,
+        )
         if len(idle) >= n:
             return idle
         if loop.time() >= deadline:
@@ -139,11 +145,17 @@ async def submit_job(
             (p for p in live.values() if p.state == "idle" or p.job == replaces), key=lambda p: -p.fp32_flops
         )
     else:
-        peers = await wait_for_peers(directory, job.min_peers, job.wait_peers_s)
-    judge = LeaseJudge()
+        peers = await wait_for_peers(directory, job.min_peers, job.wait_peers_s, only=job.stage_peers)
+    judge = LeaseJudge(allowed=frozenset(job.coordinators))
     lease = await find_coordinator(directory, timeout=max(job.wait_peers_s, 1.0), judge=judge)
     me = await asyncio.to_thread(self_record, transport.peer_id, site=site)
-    candidates = [p for p in peers if p.peer_id != transport.peer_id and p.peer_id not in exclude]
+    candidates = [
+        p
+        for p in peers
+        if p.peer_id != transport.peer_id
+        and p.peer_id not in exclude
+        and (not job.stage_peers or p.peer_id in job.stage_peers)
+    ]
     links = await probe_from(transport, candidates[:MAX_PROBED_PEERS])
     run_id = run_id or new_run_id(job.name)
     request = JobRequest(
@@ -158,6 +170,7 @@ async def submit_job(
         exclude=exclude,
         speeds=speeds,
         max_ratio=job.max_ratio,
+        only=job.stage_peers,
     )
     reply = await _ask(transport, lease, request, timeout)
     if reply.unread:

@@ -6,7 +6,8 @@ deterministic and the coordinator plans on exactly the records its reply cites (
 candidates and every pair between them), so the data owner plans them again and accepts
 only an equal plan. The cited records must be the swarm's: the data owner's own record and
 links as it sent them, every other peer's profile as its signed record in the DHT says
-(speeds scaled only as the request asked), its free memory within ``MEMORY_SLACK`` of what
+(speeds scaled only as the request asked; only peers the request allows), its free memory
+within ``MEMORY_SLACK`` of what
 the DHT says now, every measured link within ``LINK_SLACK`` of its signed record, no
 inferred link faster than ``LINK_SLACK`` times the fastest link the data owner saw
 measured, and every peer the data owner probed itself among the candidates. A coordinator
@@ -72,6 +73,9 @@ def check_reply_records(
     cited = {p.peer_id: p for p in reply.peers}
     if cited.get(owner) != request.owner:
         raise _refuse(by, "it does not cite this data owner's record as it was sent")
+    outside = [p[-8:] for p in cited if p != owner and request.only and p not in request.only]
+    if outside:
+        raise _refuse(by, f"it cites peers this data owner's job does not allow: {outside}")
     factors = dict(request.speeds)
     for peer_id, record in cited.items():
         if peer_id != owner:
