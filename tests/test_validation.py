@@ -11,8 +11,16 @@ from hivemind.utils import get_dht_time
 
 from fusionp2p.errors import RecordError
 from fusionp2p.net.identity import ensure_identity, load_signing_key
-from fusionp2p.net.validation import make_validators
-from fusionp2p.records import LinkRecord, LinkSetRecord, PeerRecord, RunStatusRecord, TopKHeader
+from fusionp2p.net.validation import make_validators, subkey_prefix
+from fusionp2p.records import (
+    LeaseRecord,
+    LinkRecord,
+    LinkSetRecord,
+    PeerRecord,
+    RunStatusRecord,
+    TopKHeader,
+    decode_record,
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +51,21 @@ def _peer_record(peer_id: str, **overrides) -> PeerRecord:
     return PeerRecord(**fields)
 
 
-def _signed(signer, subkey_owner_marker: bytes, value: bytes, *, lifetime: float = 10.0) -> DHTRecord:
-    """A record as a DHT node would send it, signed by ``signer`` for the subkey's marker."""
+def _signed(
+    signer, subkey_owner_marker: bytes, value: bytes, *, lifetime: float = 10.0, prefix: bytes | None = None
+) -> DHTRecord:
+    """A record as a DHT node would send it, signed by ``signer`` for the subkey's marker,
+    under its own subkey (``prefix`` before the marker: by default the record's own)."""
+    if prefix is None:
+        try:
+            prefix = subkey_prefix(decode_record(value))  # type: ignore[arg-type]
+        except Exception:  # not a DHT record: any subkey
+            prefix = b"x"
     signing = RSASignatureValidator(signer)
     signing._local_public_key = subkey_owner_marker  # lets tests forge on purpose
     record = DHTRecord(
         key=b"key",
-        subkey=msgpack.packb(b"x" + subkey_owner_marker),
+        subkey=msgpack.packb(prefix + subkey_owner_marker),
         value=msgpack.packb(value),
         expiration_time=get_dht_time() + lifetime,
     )
@@ -131,6 +147,21 @@ def test_rejects_bad_records_and_logs_a_protocol_error(keys, case, caplog) -> No
         "not_a_dht_record": "not a DHT record",
     }
     assert f"protocol error: rejected DHT record: {reason[case]}" in caplog.text
+
+
+def test_one_identity_stores_a_record_under_its_own_subkey_only(keys, caplog) -> None:
+    """Many copies of one peer's record, or many lease claims, under made-up subkeys are refused."""
+    (alice, alice_key), _ = keys
+    lease = LeaseRecord(alice, 1, 0.0, 10.0).to_wire()
+    assert _validator().validate(_signed(alice_key, _marker(alice_key), lease))
+    with caplog.at_level(logging.WARNING, logger="fusionp2p"):
+        for value, prefix in (
+            (lease, b"copy-7" + alice.encode()),
+            (_peer_record(alice).to_wire(), alice.encode() + b"-2"),
+            (_peer_record(alice).to_wire(), b""),
+        ):
+            assert not _validator().validate(_signed(alice_key, _marker(alice_key), value, prefix=prefix))
+    assert "rejected DHT record: wrong subkey" in caplog.text
 
 
 def _run_report(data_owner: str, **overrides) -> RunStatusRecord:

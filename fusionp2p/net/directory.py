@@ -44,6 +44,7 @@ from hivemind.utils import get_dht_time
 
 from fusionp2p.config import DEFAULT_TIMEOUTS
 from fusionp2p.errors import IncompleteReadError, RecordError, SwarmError
+from fusionp2p.net.validation import subkey_prefix
 from fusionp2p.records import (
     LINKS_PER_SET,
     MAX_LINKS_PER_PEER,
@@ -169,7 +170,7 @@ class SwarmDirectory:
         """
         if not self.owner_marker:
             raise SwarmError("this directory has no signing key; it can only read")
-        subkey = record.peer_id.encode() + self.owner_marker
+        subkey = subkey_prefix(record) + self.owner_marker
         mine = record.peer_id.encode()
         async for key, held in self._path(record.peer_id):
             if len(held) < MAX_PEERS_PER_SHARD or any(s.startswith(mine) for s in held):
@@ -192,7 +193,7 @@ class SwarmDirectory:
             *(
                 self._store(
                     self.links_key(ls.src),
-                    f"set{ls.part}".encode() + self.owner_marker,
+                    subkey_prefix(ls) + self.owner_marker,
                     ls.to_wire(),
                     expiration,
                 )
@@ -352,7 +353,7 @@ class SwarmDirectory:
 
     async def publish_lease(self, record: LeaseRecord, expiration: float) -> bool:
         """Stores this peer's claim on the coordinator lease (its own subkey)."""
-        subkey = record.holder.encode() + self._signed()
+        subkey = subkey_prefix(record) + self._signed()
         return await self._store(f"{self.swarm}.coordinator", subkey, record.to_wire(), expiration)
 
     async def fetch_leases(self) -> list[LeaseRecord]:
@@ -367,7 +368,7 @@ class SwarmDirectory:
 
     async def publish_run(self, record: RunStatusRecord, expiration: float) -> bool:
         """Stores a data owner's report on its run (its own subkey)."""
-        subkey = record.run_id.encode() + self._signed()
+        subkey = subkey_prefix(record) + self._signed()
         return await self._store(f"{self.swarm}.runs", subkey, record.to_wire(), expiration)
 
     async def fetch_runs(self) -> list[RunStatusRecord]:
@@ -387,7 +388,7 @@ class SwarmDirectory:
             *(
                 self._store(
                     f"{self.swarm}.plans",
-                    f"{r.plan_id}.{r.epoch}.{r.stage}".encode() + marker,
+                    subkey_prefix(r) + marker,
                     r.to_wire(),
                     expiration,
                 )

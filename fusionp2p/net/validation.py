@@ -34,7 +34,13 @@ from fusionp2p.records import (
     decode_record,
 )
 
-__all__ = ["MAX_RECORD_LIFETIME", "LoggingSignatureValidator", "SwarmRecordValidator", "make_validators"]
+__all__ = [
+    "MAX_RECORD_LIFETIME",
+    "LoggingSignatureValidator",
+    "SwarmRecordValidator",
+    "make_validators",
+    "subkey_prefix",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +66,26 @@ class LoggingSignatureValidator(RSASignatureValidator):
         return self._log.reject("bad signature", "the value is not signed by the key in its subkey")
 
 
-def _speaker(record: object) -> str | None:
-    """The peer a DHT record speaks for, who alone may sign it (None: not a DHT record)."""
+DhtRecord = PeerRecord | LeaseRecord | LinkSetRecord | RunStatusRecord | PlanStageRecord
+
+
+def subkey_prefix(record: DhtRecord) -> bytes:
+    """What a DHT record's subkey holds before its owner marker: one subkey per peer and record
+    (its profile, its lease claim, each part of its links, each run, each plan stage), so one
+    identity cannot store a record many times over."""
+    if isinstance(record, PeerRecord):
+        return record.peer_id.encode()
+    if isinstance(record, LeaseRecord):
+        return record.holder.encode()
+    if isinstance(record, LinkSetRecord):
+        return f"set{record.part}".encode()
+    if isinstance(record, RunStatusRecord):
+        return record.run_id.encode()
+    return f"{record.plan_id}.{record.epoch}.{record.stage}".encode()
+
+
+def _speaker(record: DhtRecord) -> str:
+    """The peer a DHT record speaks for, who alone may sign it."""
     if isinstance(record, PeerRecord):
         return record.peer_id
     if isinstance(record, LinkSetRecord):
@@ -70,9 +94,7 @@ def _speaker(record: object) -> str | None:
         return record.made_by
     if isinstance(record, LeaseRecord):
         return record.holder
-    if isinstance(record, RunStatusRecord):
-        return record.data_owner
-    return None
+    return record.data_owner
 
 
 class SwarmRecordValidator(RecordValidatorBase):
@@ -98,15 +120,21 @@ class SwarmRecordValidator(RecordValidatorBase):
             parsed = decode_record(data)
         except (RecordError, ValueError, TypeError, msgpack.UnpackException) as e:
             return self._log.reject("malformed", str(e)[:200])
-        claimed = _speaker(parsed)
-        if claimed is None:
+        if not isinstance(parsed, DhtRecord):
             return self._log.reject("not a DHT record", f"a {type(parsed).__name__} has no place in the DHT")
+        claimed = _speaker(parsed)
         try:
             signer = peer_id_from_public_key(owners[0])
         except (ValueError, TypeError) as e:
             return self._log.reject("bad owner key", str(e)[:200])
         if claimed != signer:
             return self._log.reject("forged", f"record for {claimed[:16]} signed by {signer[:16]}")
+        try:
+            subkey = msgpack.unpackb(record.subkey, raw=True)
+        except (ValueError, msgpack.UnpackException) as e:
+            return self._log.reject("malformed subkey", str(e)[:200])
+        if not isinstance(subkey, bytes) or subkey[: subkey.find(b"[owner:")] != subkey_prefix(parsed):
+            return self._log.reject("wrong subkey", f"a {type(parsed).__name__} under {str(subkey)[:60]}")
         return True
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
