@@ -250,7 +250,7 @@ def inference_error(topo: Topology, net: SyntheticNetwork, order: np.ndarray) ->
     unmeasured = ~topo.measured & ~np.eye(len(topo), dtype=bool)
     rel = np.abs(topo.bandwidth[unmeasured] - truth[unmeasured]) / truth[unmeasured]
     return {
-        "measured_fraction": float(topo.measured.sum() / (len(topo) * (len(topo) - 1))),
+        "measured_fraction": float((topo.measured | topo.measured.T).sum() / (len(topo) * (len(topo) - 1))),
         "median_rel_error": float(np.median(rel)) if rel.size else 0.0,
         "p90_rel_error": float(np.percentile(rel, 90)) if rel.size else 0.0,
     }

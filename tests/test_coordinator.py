@@ -20,12 +20,12 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from job_helpers import reference_losses
+from process_helpers import run_grouped
 
 from fusionp2p.config import OptimizerConfig
 from fusionp2p.errors import ProtocolError, SwarmError
@@ -302,17 +302,16 @@ def test_a_killed_coordinator_is_replaced_and_its_epoch_is_over(
     assert len(result.losses) == job.steps and result.submitted.epoch == new.epoch
 
 
+TRAIN = [sys.executable, "-m", "fusionp2p", "--log-level", "error", "train"]
+
+
 def _train_cli(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "fusionp2p", "--log-level", "error", "train", *args],
+        [*TRAIN, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
     )
-
-
-def _p2pd_pids() -> set[int]:
-    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "p2pd"}
 
 
 @pytest.mark.parametrize(
@@ -335,13 +334,13 @@ def _p2pd_pids() -> set[int]:
 def test_train_cli_refuses_a_bad_job_in_one_line(client: Swarm, tmp_path: Path, toml: str, says: str) -> None:
     config = tmp_path / "job.toml"
     config.write_text(f'{toml}\n[output]\ndir = "{tmp_path}"\n')
-    before = _p2pd_pids()
-    done = _train_cli(["--config", str(config), "--initial-peers", *client.multiaddrs[:2], "--no-progress"])
+    args = ["--config", str(config), "--initial-peers", *client.multiaddrs[:2], "--no-progress"]
+    done, left = run_grouped([*TRAIN, *args], timeout=120)
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("fusionp2p train: error: "), done.stderr
     assert says in lines[0]
-    assert _p2pd_pids() <= before  # nothing left running
+    assert not left  # nothing left running: not its DHT daemon either
 
 
 def test_a_job_file_naming_an_import_path_runs_nothing_unless_train_allows_it(tmp_path: Path) -> None:

@@ -19,9 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 from job_helpers import reference_losses
+from process_helpers import run_grouped, wait_group_gone
 
 from fusionp2p.cli_jobs import format_runs
 from fusionp2p.launch import LocalSwarm
@@ -226,7 +226,6 @@ def test_a_killed_data_owner_resumes_from_its_checkpoint(
     assert JobSpec.load(config) == job
     command = [sys.executable, "-m", "fusionp2p", "--log-level", "error", "train", "--config", str(config)]
     command += ["--swarm", local.swarm, "--initial-peers", *client.multiaddrs[:2], "--no-progress"]
-    daemons_before = _p2pd_pids()
     log = (tmp_path / "owner.log").open("w")
     owner = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
     try:
@@ -245,17 +244,15 @@ def test_a_killed_data_owner_resumes_from_its_checkpoint(
             os.killpg(owner.pid, signal.SIGKILL)  # the data owner and its DHT daemon, at once
         owner.wait()
         log.close()
-    gone = time.monotonic() + 10
-    while _in_group(owner.pid):  # nothing of the killed data owner is left (once the kernel reaped it)
-        assert time.monotonic() < gone, f"left over from the data owner: {_in_group(owner.pid)}"
-        time.sleep(0.2)
+    left = wait_group_gone(owner.pid)  # nothing of the killed data owner is left (once the kernel reaped it)
+    assert not left, f"left over from the data owner: {left}"
     (run_dir,) = runs
     # its stage owners free the job on their own, and say so
     deadline = time.monotonic() + IDLE_S + 30
     while not any("nothing from its owner" in p.log() for p in local.peers if p.popen.poll() is None):
         assert time.monotonic() < deadline, "no stage freed the dead data owner's job"
         time.sleep(1.0)
-    done = subprocess.run([*command, "--resume"], capture_output=True, text=True, timeout=240)
+    done, left = run_grouped([*command, "--resume"], timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     events = _events(run_dir)
     resumed = next(e for e in events if e["event"] == "resumed")
@@ -268,17 +265,4 @@ def test_a_killed_data_owner_resumes_from_its_checkpoint(
         losses[row["step"]] = row["loss"]
     _assert_same_training([losses[s] for s in range(1, job.steps + 1)], job)
     assert (run_dir / "weights.safetensors").is_file()
-    assert _p2pd_pids() <= daemons_before  # the resumed data owner's daemon is gone too
-
-
-def _p2pd_pids() -> set[int]:
-    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "p2pd"}
-
-
-def _in_group(pgid: int) -> list[int]:
-    out = []
-    for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error, ProcessLookupError):
-            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
-                out.append(proc.pid)
-    return out
+    assert not left  # the resumed data owner's daemon is gone too

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -13,14 +14,17 @@ from pathlib import Path
 
 import psutil
 import pytest
+from process_helpers import hivemind_sockets, litter, run_grouped
 
 from fusionp2p.launch import LocalSwarm
 from fusionp2p.planning import synthetic_swarm
 
+CLI = [sys.executable, "-m", "fusionp2p", "--log-level", "error"]
+
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "fusionp2p", "--log-level", "error", *args],
+        [*CLI, *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -94,47 +98,26 @@ def test_initial_peers_are_checked_before_anything_starts(command: str, maddr: s
     assert "--initial-peers: " in line and says in line
 
 
-def _litter() -> set[str]:
-    """What fusionp2p and hivemind may leave in the temp directories: work directories with
-    identity keys, daemon sockets."""
-    folders = {Path(tempfile.gettempdir()), Path("/tmp")}
-    return {
-        str(p)
-        for folder in folders
-        for p in folder.iterdir()
-        if p.name.startswith(("fusionp2p-", "hivemind-p2pd-", "hivemind-p2pclient-"))
-    }
-
-
 DEAD_PEER = "/ip4/127.0.0.1/tcp/1/p2p/QmNreLokPPafd6BNEJzTs2fHVv9j9ycNKvDVv3nVAtRfzF"
 
 
 @pytest.mark.parametrize("command", ["peer", "status"])
-def test_a_failed_start_leaves_nothing_in_the_temp_directory(command: str) -> None:
-    before = _litter()
-    done = _cli(command, "--initial-peers", DEAD_PEER)
+def test_a_failed_start_leaves_nothing_in_the_temp_directory(command: str, tmp_path: Path) -> None:
+    before = hivemind_sockets()
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    done, left = run_grouped([*CLI, command, "--initial-peers", DEAD_PEER], timeout=120, env=env)
     assert "could not start the DHT node" in _one_error_line(done, command)
-    assert _litter() <= before  # no identity key, no daemon socket
+    assert not left and not litter(tmp_path, before)  # no process, no identity key, no daemon socket
 
 
-def test_a_local_swarm_stopped_with_ctrl_c_says_so_and_leaves_nothing() -> None:
-    before = _litter()
+def test_a_local_swarm_stopped_with_ctrl_c_says_so_and_leaves_nothing(tmp_path: Path) -> None:
+    before = hivemind_sockets()
     local = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "fusionp2p",
-            "--log-level",
-            "error",
-            "local",
-            "--peers",
-            "2",
-            "--duration",
-            "120",
-        ],
+        [*CLI, "local", "--peers", "2", "--duration", "120"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
         # a background job's shell starts it with SIGINT ignored; a terminal's Ctrl-C is not
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
@@ -167,7 +150,7 @@ def test_a_local_swarm_stopped_with_ctrl_c_says_so_and_leaves_nothing() -> None:
     # its own once its clients are gone, which may be a moment after the peers
     _, alive = psutil.wait_procs(children, timeout=15)
     assert not [c for c in alive if _running(c)]
-    assert _litter() <= before
+    assert not litter(tmp_path, before)
 
 
 def _running(process: psutil.Process) -> bool:
@@ -177,12 +160,17 @@ def _running(process: psutil.Process) -> bool:
         return False
 
 
-def test_a_killed_local_peer_leaves_no_socket(tmp_path: Path) -> None:
-    before = _litter()
+def test_a_killed_local_peer_leaves_no_socket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the peers' temp directory
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # this process's (the swarm's work directory)
+    before = hivemind_sockets()
     with LocalSwarm(2, swarm="litter") as local:
+        children = psutil.Process(local.peers[1].popen.pid).children(recursive=True)  # its p2pd
         local.signal(1, signal.SIGKILL)
         local.peers[1].popen.wait(10)
-    assert _litter() <= before
+        _, alive = psutil.wait_procs(children, timeout=15)
+        assert not [c for c in alive if _running(c)]  # its daemon does not outlive it
+    assert not litter(tmp_path, before)
 
 
 def test_the_demo_path_leaves_nothing_in_the_temp_directory(tmp_path: Path) -> None:
@@ -192,14 +180,12 @@ def test_the_demo_path_leaves_nothing_in_the_temp_directory(tmp_path: Path) -> N
         "n_head = 2\n[data]\nseq_len = 16\nmax_bytes = 20000\n[train]\nsteps = 2\nbatch_size = 2\n"
         f'micro_batch_size = 1\nmin_peers = 2\n[output]\ndir = "{tmp_path / "runs"}"\n'
     )
-    before = _litter()
-    command = [sys.executable, "-m", "fusionp2p", "--log-level", "error", "train", "--local", "2"]
-    done = subprocess.run(
-        [*command, "--config", str(config), "--no-progress"],
-        capture_output=True,
-        text=True,
+    before = hivemind_sockets()
+    done, left = run_grouped(
+        [*CLI, "train", "--local", "2", "--config", str(config), "--no-progress"],
         timeout=240,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "trained 2 steps" in done.stdout and "no peer process is left" in done.stdout
-    assert _litter() <= before
+    assert not left and not litter(tmp_path, before)

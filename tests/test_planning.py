@@ -175,6 +175,10 @@ def test_topology_fills_reverse_and_unmeasured_links_and_refuses_a_disconnected_
     assert topo.bandwidth[0, 2] == 87.5  # inferred: the cluster's upper quartile (too few links for caps)
     assert topo.latency[0, 2] == pytest.approx(0.01)  # the median latency measured in the cluster
     assert topo.measured[0, 1] and not topo.measured[0, 2]
+    assert not topo.measured[1, 0]  # taken from its reverse: the data owner's check must not
+    # hold it to a signed record of 1 -> 0 that it never came from
+    inferred = {(lk.src, lk.dst) for lk in topo.link_records(0.0) if "inferred" in lk.extra}
+    assert ("p1", "p0") in inferred and ("p0", "p1") not in inferred
     peers, links = _records(4, [(0, 1, 100.0), (2, 3, 100.0)])
     with pytest.raises(PlanningError, match="disconnected"):
         Topology.from_records(peers, links)

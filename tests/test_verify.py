@@ -110,3 +110,35 @@ def test_records_the_dht_does_not_vouch_for_are_refused(lie: str, refusal: str) 
     lying = dataclasses.replace(reply, peers=tuple(peers), links=tuple(links))
     with pytest.raises(CoordinatorError, match=refusal):
         _check(lying, request, probed)
+
+
+def test_a_direction_the_coordinator_took_from_its_reverse_is_not_held_to_a_record_it_never_read() -> None:
+    request, _, _ = _swarm()
+    peers, links, _ = synthetic_swarm(7, n_peers=8)
+    owner = request.owner.peer_id
+    pairs = {(lk.src, lk.dst) for lk in links}
+    gone = next(lk for lk in links if owner not in (lk.src, lk.dst) and (lk.dst, lk.src) in pairs)
+    # the coordinator read the swarm before gone.src measured gone.dst; since then it has,
+    # ten times faster than the reverse the coordinator planned on
+    seen = [lk for lk in links if lk != gone]
+    reply = JobReply(
+        "job-1", 1, 1, COORDINATOR, tuple(peers), tuple(Topology.from_records(peers, seen).link_records(0))
+    )
+    cited = next(lk for lk in reply.links if (lk.src, lk.dst) == (gone.src, gone.dst))
+    assert cited.extra == {"inferred": 1.0}
+    now = dataclasses.replace(gone, bandwidth_bytes_per_s=cited.bandwidth_bytes_per_s * 10)
+    signed = [now if lk == gone else lk for lk in links if lk.src != owner]
+    live = {p.peer_id: p for p in peers}
+    check_reply_records(reply, request, live, signed, [lk.dst for lk in request.owner_links])
+    # a direction the coordinator did read is still held to its record
+    lying = dataclasses.replace(
+        reply,
+        links=tuple(
+            dataclasses.replace(lk, bandwidth_bytes_per_s=lk.bandwidth_bytes_per_s * 100)
+            if (lk.dst, lk.src) == (gone.src, gone.dst)
+            else lk
+            for lk in reply.links
+        ),
+    )
+    with pytest.raises(CoordinatorError, match="cited at"):
+        check_reply_records(lying, request, live, signed, [lk.dst for lk in request.owner_links])

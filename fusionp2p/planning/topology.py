@@ -35,7 +35,7 @@ class Topology:
     memory: np.ndarray  # bytes each peer may fill
     bandwidth: np.ndarray  # (n, n) bytes/s, inf on the diagonal
     latency: np.ndarray  # (n, n) one-way seconds (RTT / 2), 0 on the diagonal
-    measured: np.ndarray  # (n, n) bool: this direction (or its reverse) was probed
+    measured: np.ndarray  # (n, n) bool: this very direction was probed (a reverse-filled one was not)
     # (n, 4) seconds of Top-K coding per peer, columns as records.CODEC_TERMS; 0 where unknown
     codec: np.ndarray = field(default_factory=lambda: np.zeros((0, len(CODEC_TERMS))))
     # (n,) int: peers of one site (a data centre, one declared --site) reach another site
@@ -129,7 +129,7 @@ class Topology:
             if link.src in pos and link.dst in pos:
                 bw[pos[link.src], pos[link.dst]] = link.bandwidth_bytes_per_s
                 lat[pos[link.src], pos[link.dst]] = link.rtt_s / 2
-        measured = ~np.isnan(bw) | ~np.isnan(bw.T)
+        measured = ~np.isnan(bw)
         np.fill_diagonal(measured, False)
         _check_connected(ids, measured)
         bw, lat = infer_unmeasured(bw, lat)
@@ -162,7 +162,8 @@ class Topology:
         )
 
     def link_records(self, measured_at: float) -> list[LinkRecord]:
-        """Every ordered pair as a LinkRecord (an inferred one has ``extra["inferred"] = 1``):
+        """Every ordered pair as a LinkRecord (one inferred or taken from its reverse has
+        ``extra["inferred"] = 1``: no signed record of that direction vouches for it):
         what ``from_records`` rebuilds this very topology from, with the peers' records."""
         n = len(self.peer_ids)
         return [

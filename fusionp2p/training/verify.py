@@ -9,8 +9,9 @@ links as it sent them, every other peer's profile as its signed record in the DH
 (speeds scaled only as the request asked; only peers the request allows), its free memory
 within ``MEMORY_SLACK`` of what
 the DHT says now, every measured link within ``LINK_SLACK`` of its signed record, no
-inferred link faster than ``LINK_SLACK`` times the fastest link the data owner saw
-measured, and every peer the data owner probed itself among the candidates. A coordinator
+inferred link (a pair never measured, or a direction taken from its reverse: the
+coordinator may have read the swarm before that direction was measured) faster than
+``LINK_SLACK`` times the fastest link the data owner saw measured, and every peer the data owner probed itself among the candidates. A coordinator
 can then only plan what OP-Fence (or the baseline asked for) makes of the swarm as it is.
 """
 
