@@ -7,12 +7,13 @@ candidates and every pair between them), so the data owner plans them again and 
 only an equal plan. The cited records must be the swarm's: the data owner's own record and
 links as it sent them, every other peer's profile as its signed record in the DHT says
 (speeds scaled only as the request asked; only peers the request allows), its free memory
-within ``MEMORY_SLACK`` of what
-the DHT says now, every measured link within ``LINK_SLACK`` of its signed record, no
-inferred link (a pair never measured, or a direction taken from its reverse: the
-coordinator may have read the swarm before that direction was measured) faster than
-``LINK_SLACK`` times the fastest link the data owner saw measured, and every peer the data owner probed itself among the candidates. A coordinator
-can then only plan what OP-Fence (or the baseline asked for) makes of the swarm as it is.
+within ``MEMORY_SLACK`` of what the DHT says now, every measured link within
+``LINK_SLACK`` of its signed record, no inferred link (a pair never measured, or a
+direction taken from its reverse: the coordinator may have read the swarm before that
+direction was measured) faster than ``LINK_SLACK`` times the fastest link the data owner
+saw measured, and every peer the data owner probed itself among the candidates. A
+coordinator can then only plan what OP-Fence (or the baseline asked for) makes of the swarm
+as it is.
 """
 
 from __future__ import annotations
