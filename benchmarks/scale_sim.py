@@ -54,7 +54,7 @@ from fusionp2p.net.identity import peer_id_from_public_key
 from fusionp2p.net.probe import HINT_SOURCES, NEAR_LINKS, LinkEstimator, LinkSample, hints_from
 from fusionp2p.net.validation import SwarmRecordValidator
 from fusionp2p.opdag import TransformerShape, transformer_dag
-from fusionp2p.planning import CompressionPolicy, CostConfig, Topology, op_fence
+from fusionp2p.planning import CompressionPolicy, CostConfig, Topology, op_fence, vouched_links
 from fusionp2p.planning.estimate import estimate
 from fusionp2p.planning.synthetic import SyntheticNetwork, synthetic_network
 from fusionp2p.records import MAX_LINKS_PER_PEER, LinkRecord, PeerRecord
@@ -114,6 +114,7 @@ def simulate_probes(net: SyntheticNetwork, ids: list[str], rounds: int, seed: in
     pos = {pid: i for i, pid in enumerate(ids)}
     config = ProbeConfig(period=1.0)
     estimators = [LinkEstimator(pid, config, rng=random.Random(seed + i)) for i, pid in enumerate(ids)]
+    probed_by: list[dict[str, None]] = [{} for _ in ids]  # as Peer keeps it: who probed each, newest last
     for now in range(rounds):
         published: dict[str, list[LinkRecord]] = {}  # what the directory holds this round
         for i, est in enumerate(estimators):
@@ -122,8 +123,14 @@ def simulate_probes(net: SyntheticNetwork, ids: list[str], rounds: int, seed: in
                 if nb not in published:
                     published[nb] = estimators[pos[nb]].records(float(now), max_age=float("inf"))
                 around += published[nb]
-            for dst in est.choose_targets(ids, float(now), hints_from(around)):
+            known = est.known_peers()
+            asked = [p for p in reversed(probed_by[i]) if p not in known]
+            for dst in est.choose_targets(ids, float(now), [*asked, *hints_from(around)]):
                 j = pos[dst]
+                probed_by[j].pop(ids[i], None)
+                probed_by[j][ids[i]] = None
+                while len(probed_by[j]) > MAX_LINKS_PER_PEER:
+                    del probed_by[j][next(iter(probed_by[j]))]
                 sample = LinkSample(
                     float(net.bandwidth[i, j] * rng.uniform(0.9, 1.1)), float(2 * net.latency[i, j]), 1, 1.0
                 )
@@ -134,7 +141,8 @@ def simulate_probes(net: SyntheticNetwork, ids: list[str], rounds: int, seed: in
 def sampled_links(net: SyntheticNetwork, ids: list[str], seed: int) -> list[LinkRecord]:
     """The links the probe policy converges to, drawn directly (for swarms too large to
     simulate round by round): each peer's ``NEAR_LINKS`` fastest among a random third of
-    its cluster, and a random sample of the others."""
+    its cluster, and a random sample of the others; each measured from both ends (a peer
+    probes back who probed it)."""
     rng = np.random.default_rng(seed)
     n, links = len(ids), []
     members = {c: np.flatnonzero(net.labels == c) for c in np.unique(net.labels)}
@@ -146,8 +154,9 @@ def sampled_links(net: SyntheticNetwork, ids: list[str], seed: int) -> list[Link
         rest = rng.choice(n, MAX_LINKS_PER_PEER - len(near) + 8, replace=False)
         rest = [j for j in rest if j != i and j not in set(near)][: MAX_LINKS_PER_PEER - len(near)]
         for j in [*near, *rest]:
-            bw = net.bandwidth[i, j] * rng.uniform(0.9, 1.1)
-            links.append(LinkRecord(ids[i], ids[int(j)], float(bw), float(2 * net.latency[i, j]), 0.0))
+            for a, b in ((i, int(j)), (int(j), i)):  # a peer probes back who probed it
+                bw = net.bandwidth[a, b] * rng.uniform(0.9, 1.1)
+                links.append(LinkRecord(ids[a], ids[b], float(bw), float(2 * net.latency[a, b]), 0.0))
     return links
 
 
@@ -303,7 +312,7 @@ async def run_n(n: int, rounds: int, seed: int, storage: list[hivemind.DHT]) -> 
     peers = peer_records(ids, net, get_dht_time())
     dht, read_peers, read_links = await dht_phase(keys, peers, links, storage)
     start = time.perf_counter()
-    topo = Topology.from_records(list(read_peers.values()), read_links)
+    topo = Topology.from_records(list(read_peers.values()), vouched_links(read_links))
     topology_s = time.perf_counter() - start
     order = np.array([ids.index(pid) for pid in topo.peer_ids])
     row: dict[str, Any] = {"peers": n, "keys_s": keys_s, "probe_sim_s": probes_s, "links": len(links)}
@@ -320,7 +329,7 @@ def planner_only(n: int, seed: int) -> dict[str, Any]:
     links = sampled_links(net, ids, seed)
     peers = peer_records(ids, net, 0.0)
     start = time.perf_counter()
-    topo = Topology.from_records(peers, links)
+    topo = Topology.from_records(peers, vouched_links(links))
     topology_s = time.perf_counter() - start
     order = np.arange(n)
     row: dict[str, Any] = {"peers": n, "links": len(links), "topology_s": topology_s}

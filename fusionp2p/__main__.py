@@ -2,4 +2,5 @@
 
 from fusionp2p.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # not when a child process (the coordinator's tracer) imports it
+    raise SystemExit(main())

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from fusionp2p.cli_jobs import add_train_parser, cmd_train
 from fusionp2p.cli_swarm import cmd_local, cmd_plan, cmd_status
-from fusionp2p.config import DEFAULT_SWARM, ExecLimits, PeerConfig, ProbeConfig, parse_bytes
+from fusionp2p.config import DEFAULT_SWARM, ExecLimits, PeerConfig, ProbeConfig, TraceBudget, parse_bytes
 from fusionp2p.errors import FusionP2PError
 from fusionp2p.opdag.families import BUILTIN_FAMILIES
 from fusionp2p.version import __version__
@@ -185,6 +185,20 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         help="coordinator lease period; a dead coordinator is replaced within 3 (default: %(default)s)",
     )
     jobs.add_argument(
+        "--coordinator-trace-seconds",
+        type=float,
+        default=_PEER.trace_budget.seconds,
+        metavar="S",
+        help="as coordinator, refuse a job whose model takes longer to trace (default: %(default)s)",
+    )
+    jobs.add_argument(
+        "--coordinator-max-model",
+        type=_size,
+        default=_PEER.trace_budget.max_model_bytes,
+        metavar="SIZE",
+        help="as coordinator, refuse a job whose model's parameters are larger, e.g. 8GiB (default: 64GiB)",
+    )
+    jobs.add_argument(
         "--job-idle-timeout",
         type=float,
         default=_PEER.exec_limits.job_idle_timeout,
@@ -295,6 +309,9 @@ def _cmd_peer(args: argparse.Namespace) -> int:
         coordinator=not args.no_coordinator,
         coordinators=tuple(args.coordinators),
         lease_seconds=args.lease_seconds,
+        trace_budget=TraceBudget(
+            seconds=args.coordinator_trace_seconds, max_model_bytes=args.coordinator_max_model
+        ),
         exec_limits=ExecLimits(
             inbound_bytes=args.max_inbound_memory,
             inbound_bytes_per_peer=min(args.max_inbound_memory, _PEER.exec_limits.inbound_bytes_per_peer),

@@ -26,6 +26,7 @@ __all__ = [
     "ProbeConfig",
     "RatioWarmup",
     "Timeouts",
+    "TraceBudget",
     "check_site",
     "format_bytes",
     "parse_bytes",
@@ -214,6 +215,21 @@ class ExecLimits:
         )
 
 
+@dataclass(frozen=True)
+class TraceBudget:
+    """What a coordinator spends on one job request (``fusionp2p peer --coordinator-trace-seconds``,
+    ``--coordinator-max-model``)."""
+
+    seconds: float = 30.0  # one trace, after its model was built
+    max_model_bytes: int = 64 << 30  # the parameters of a model it plans
+    size_seconds: float = 10.0  # building the (fake) model to learn its size
+
+    def __post_init__(self) -> None:
+        _positive("TraceBudget", seconds=self.seconds, size_seconds=self.size_seconds)
+        if not isinstance(self.max_model_bytes, int) or self.max_model_bytes <= 0:
+            raise ConfigError(f"TraceBudget.max_model_bytes must be an int > 0, got {self.max_model_bytes!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class PeerConfig:
     """Everything a long-running peer needs to join a swarm."""
@@ -245,6 +261,7 @@ class PeerConfig:
     coordinator: bool = True  # stands for coordinator election (False: --no-coordinator)
     coordinators: tuple[str, ...] = ()  # the only peers whose lease this peer accepts; empty: any live peer
     lease_seconds: float = 15.0  # the coordinator lease's period; a dead holder is replaced within 3
+    trace_budget: TraceBudget = field(default_factory=TraceBudget)  # what planning one request may cost
 
     def __post_init__(self) -> None:
         if not NAME_RE.match(self.swarm):

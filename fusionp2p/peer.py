@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections import OrderedDict
 from functools import partial
 
 import hivemind
@@ -35,7 +36,7 @@ from fusionp2p.net.probe import HINT_SOURCES, LinkEstimator, hints_from, probe_l
 from fusionp2p.net.sockets import hivemind_sockets, remove_stale
 from fusionp2p.net.transport import P2PTransport, RateLimitedTransport, Transport
 from fusionp2p.opdag.families import ModelRegistry
-from fusionp2p.records import PROBE_PROTOCOL, JobSetup, PeerRecord
+from fusionp2p.records import MAX_LINKS_PER_PEER, PROBE_PROTOCOL, JobSetup, PeerRecord
 from fusionp2p.runtime.device_profile import DeviceProfile, free_memory, profile_device, resolve_device
 from fusionp2p.runtime.service import ExecutorService, ServicePolicy
 from fusionp2p.version import __version__
@@ -72,6 +73,7 @@ class Peer:
         self._busy = False
         self._expiration = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
+        self._probed_by: OrderedDict[str, None] = OrderedDict()  # who probed this peer, newest last
         self._closed = False
         self._maddrs: list[str] = []
         self.executors: ExecutorService | None = None  # runs the stage a data owner assigns here
@@ -150,7 +152,13 @@ class Peer:
             ).start()
             if peer.stands_for_election:
                 peer.coordinator = await Coordinator(
-                    transport, directory, peer.keeper, registry, timeout=config.timeouts.dht * 4, gate=gate
+                    transport,
+                    directory,
+                    peer.keeper,
+                    registry,
+                    timeout=config.timeouts.dht * 4,
+                    gate=gate,
+                    budget=config.trace_budget,
                 ).start()
             await peer._publish_self()
             peer.state = "idle"
@@ -228,6 +236,11 @@ class Peer:
         task.add_done_callback(self._tasks.discard)
 
     async def _serve_probe(self, stream) -> None:
+        # a link counts once both ends measured it (planning.vouch): probe back who probed this peer
+        self._probed_by.pop(stream.remote, None)
+        self._probed_by[stream.remote] = None
+        while len(self._probed_by) > MAX_LINKS_PER_PEER:
+            self._probed_by.popitem(last=False)
         await serve_probe(stream, max_bytes=self.config.probe.max_bytes, timeout=self.config.timeouts.probe)
 
     def _peer_record(self, now: float) -> PeerRecord:
@@ -299,7 +312,9 @@ class Peer:
         self.estimator.forget(self.estimator.known_peers() - set(peers))
         nearest = [p for p in self.estimator.fastest(HINT_SOURCES) if p in peers]
         around = await self.directory.fetch_links(nearest, unread=Unread())  # a missing one: fewer hints
-        hints = hints_from(around)
+        known = self.estimator.known_peers()
+        asked = [p for p in reversed(self._probed_by) if p in peers and p not in known]
+        hints = [*asked, *hints_from(around)]
         measured = []
         for dst in self.estimator.choose_targets(peers, now, hints):
             nbytes = self.estimator.next_probe_bytes(dst)

@@ -25,6 +25,15 @@ def wait_until(
     pytest.fail(f"{message} not reached within {timeout} s (last value: {last!r})")
 
 
+def _multiprocessing_helper(process: psutil.Process) -> bool:
+    """The fork server the coordinator traces in (and multiprocessing's resource tracker):
+    they read a pipe from this process and exit when it does."""
+    command = " ".join(process.cmdline())
+    return "from multiprocessing.forkserver import main" in command or (
+        "from multiprocessing.resource_tracker import main" in command
+    )
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leftover_children() -> Iterator[None]:
     """Ends (and reports) any child process a test left running, e.g. an orphaned p2pd."""
@@ -33,8 +42,8 @@ def no_leftover_children() -> Iterator[None]:
     leftovers = []
     for child in me.children(recursive=True):
         with contextlib.suppress(psutil.Error):
-            if child.name() == "torch_shm_manager":  # torch's own helper; ends with this process
-                continue
+            if child.name() == "torch_shm_manager" or _multiprocessing_helper(child):
+                continue  # helpers of torch / multiprocessing that end with this process
             leftovers.append(f"{child.pid} {child.name()}")
             child.kill()
     assert not leftovers, f"tests left processes behind: {leftovers}"

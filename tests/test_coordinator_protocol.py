@@ -1,5 +1,6 @@
-"""The coordinator protocol's rules, in memory: every refusal says why, and one identity holds
-at most one place in the planning queue."""
+"""The coordinator protocol's rules, in memory: every refusal says why, one identity holds
+at most one place in the planning queue, the lightest model is planned next, and a trace
+over the operator's budget is cut off, so a flood of heavy requests does not starve a light one."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import dataclasses
 import pytest
 from job_helpers import peer_record
 
+from fusionp2p.config import TraceBudget
 from fusionp2p.coordination.coordinator import Coordinator
+from fusionp2p.coordination.queue import PlanningQueue
+from fusionp2p.coordination.trace_budget import TraceJob
 from fusionp2p.errors import ConfigError, LimitError
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.memory_transport import MemoryTransport
@@ -39,10 +43,23 @@ class _Plans:
         record = PlanStageRecord(job, 1, 0, 1, OTHER, "gpt2@x", (0, 4), {}, 2, 0.1, COORDINATOR, 0.0, OWNER)
         return {(1, COORDINATOR): [record]} if job == "taken" else {}
 
+    async def fetch_peers(self, **_: object) -> dict:  # the lease holder's view: an empty swarm
+        return {}
 
-def _coordinator(hub: dict) -> Coordinator:
+    async def fetch_links_by_source(self, sources: list[str], **_: object) -> dict:
+        return {}
+
+
+def _coordinator(hub: dict, budget: TraceBudget | None = None) -> Coordinator:
     transport = MemoryTransport(COORDINATOR, hub)
-    return Coordinator(transport, _Plans(), _Keeper(), ModelRegistry(), timeout=30)  # type: ignore[arg-type]
+    return Coordinator(
+        transport,
+        _Plans(),  # type: ignore[arg-type]
+        _Keeper(),  # type: ignore[arg-type]
+        ModelRegistry(),
+        timeout=30,
+        budget=budget,
+    )
 
 
 def test_a_request_whose_model_cannot_be_traced_gets_an_error_reply() -> None:
@@ -55,7 +72,7 @@ def test_a_request_whose_model_cannot_be_traced_gets_an_error_reply() -> None:
             stream = await owner.open(COORDINATOR, COORD_PROTOCOL, timeout=5)
             await stream.send(FrameKind.DATA, _request(OWNER, spec).to_wire(), timeout=5)
             kind, reply = await stream.recv(max_payload=JobReply.MAX_BYTES, timeout=60)
-            assert kind is FrameKind.ERROR and b"planning failed: RuntimeError" in reply
+            assert kind is FrameKind.ERROR and b"tracing the model failed: RuntimeError" in reply
         finally:
             await coordinator.aclose()
             await owner.aclose()
@@ -83,7 +100,7 @@ def test_one_identity_holds_one_place_in_the_planning_queue() -> None:
         planning, release = asyncio.Event(), asyncio.Event()
         planned: list[str] = []
 
-        async def slow_plan(request: JobRequest) -> JobReply:  # a heavy trace, held open
+        async def slow_plan(request: JobRequest, job: TraceJob) -> JobReply:  # a heavy trace, held open
             planning.set()
             await release.wait()
             planned.append(request.owner.peer_id)
@@ -100,5 +117,72 @@ def test_one_identity_holds_one_place_in_the_planning_queue() -> None:
         release.set()
         await asyncio.gather(first, other)
         assert planned == [OWNER, OTHER]
+
+    asyncio.run(run())
+
+
+def test_the_queue_plans_the_lightest_next_and_a_full_queue_keeps_the_lightest() -> None:
+    async def run() -> None:
+        queue, order = PlanningQueue(capacity=2), []
+        release = asyncio.Event()
+
+        async def job(name: str, weight: int) -> None:
+            async with queue.turn(weight):
+                order.append(name)
+                await release.wait()
+
+        running = asyncio.create_task(job("first", 50))
+        await asyncio.sleep(0)
+        heavy = asyncio.create_task(job("heavy", 40))
+        medium = asyncio.create_task(job("medium", 20))
+        await asyncio.sleep(0)
+        light = asyncio.create_task(job("light", 10))  # full: takes the heaviest's place
+        await asyncio.sleep(0)
+        with pytest.raises(LimitError, match="2 jobs are waiting"):
+            await job("heavier", 30)  # heavier than everyone waiting: refused
+        with pytest.raises(LimitError, match="smaller model took this one's place"):
+            await heavy
+        release.set()
+        await asyncio.gather(running, medium, light)
+        assert order == ["first", "light", "medium"] and len(queue) == 0
+
+    asyncio.run(run())
+
+
+def _gpt2(n_layer: int, seq: int) -> ModelSpec:
+    config = {"n_layer": n_layer, "n_embd": 256, "n_head": 4, "vocab_size": 1024, "n_positions": seq}
+    return ModelSpec("gpt2", config, input_shape=(1, seq))
+
+
+def test_a_flood_of_heavy_requests_does_not_starve_a_light_one() -> None:
+    """Five identities ask for a model whose trace runs past the operator's 3 s budget, an
+    honest data owner asks for a small one just after: it is planned next, and every heavy
+    trace is cut off at the budget instead of running to its end."""
+
+    async def run() -> None:
+        coordinator = _coordinator({}, TraceBudget(seconds=3.0, size_seconds=60.0))
+        traced: list[str] = []
+
+        async def plan(request: JobRequest, job: TraceJob) -> JobReply:
+            await job.trace()
+            traced.append(request.owner.peer_id)
+            return JobReply(request.job, 1, 1, COORDINATOR, (request.owner,), ())
+
+        coordinator._plan = plan  # type: ignore[method-assign]
+        flood = ["Qm" + chr(ord("d") + i) * 44 for i in range(5)]
+        heavy = [asyncio.create_task(coordinator.submit(_request(o, _gpt2(96, 1024)))) for o in flood]
+        await asyncio.sleep(0.5)
+        honest = asyncio.create_task(coordinator.submit(_request(OWNER, _gpt2(2, 16))))
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        reply = await asyncio.wait_for(honest, 120)
+        honest_s = loop.time() - began
+        results = await asyncio.gather(*heavy, return_exceptions=True)
+        assert reply.coordinator == COORDINATOR and traced == [OWNER]
+        assert all(isinstance(r, LimitError) for r in results), results
+        cut = [r for r in results if "took more than 3 s" in str(r)]
+        assert cut and all("jobs are waiting" in str(r) or r in cut for r in results)
+        # planned ahead of the heavy ones that waited: at most the one trace in progress before it
+        assert honest_s < 30, honest_s
 
     asyncio.run(run())

@@ -6,8 +6,9 @@ weights allocated; the same OP-DAG fingerprint on every peer), reads the live re
 keeps the idle peers (a peer busy in a job is left out, unless the request re-plans that
 very job for its data owner; excluded peers always are), adds the data owner's own record
 and links, runs OP-Fence (or the baseline asked for) and publishes the plan to the DHT,
-signed by this peer and stamped with its epoch. One job is planned at a time; a few more
-wait their turn, the rest are refused.
+signed by this peer and stamped with its epoch. Each request is sized and traced in a
+child process within the operator's budget (``trace_budget``); one job is planned at a
+time, a few more wait their turn, lightest model first (``queue``), one per data owner.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from hivemind.utils import get_dht_time
 
 from fusionp2p.config import DEFAULT_TIMEOUTS
 from fusionp2p.coordination.election import LeaseKeeper
+from fusionp2p.coordination.queue import PlanningQueue
+from fusionp2p.coordination.trace_budget import TraceBudget, TraceJob, warm_up
 from fusionp2p.errors import ConfigError, FusionP2PError, LimitError, ProtocolError
 from fusionp2p.net.directory import SwarmDirectory, Unread
 from fusionp2p.net.directory_view import DirectoryView, ViewState
@@ -30,8 +33,15 @@ from fusionp2p.net.limits import StreamGate
 from fusionp2p.net.transport import FrameStream, Transport
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.ir import OpDag
-from fusionp2p.opdag.trace import trace_spec
-from fusionp2p.planning import CostConfig, Plan, PlanningError, Topology, compression_policy, plan_job
+from fusionp2p.planning import (
+    CostConfig,
+    Plan,
+    PlanningError,
+    Topology,
+    compression_policy,
+    plan_job,
+    vouched_links,
+)
 from fusionp2p.planning.fit import explain_no_fit
 from fusionp2p.planning.topology import connected_to
 from fusionp2p.records import COORD_PROTOCOL, LinkRecord, PeerRecord
@@ -46,7 +56,8 @@ MAX_REPLY_PEERS = 64  # peers a reply names: 64 x 63 pairs fit its 4,096 link re
 # so the data owner can plan them again itself (training.verify)
 MAX_PLAN_PEERS = MAX_REPLY_PEERS - 1
 PLAN_TTL = 3600.0  # a plan's records live this long in the DHT
-_MAX_WAITING = 4
+_MAX_WAITING = 4  # requests waiting for their turn (lightest first)
+_MAX_IN_FLIGHT = 8  # requests being sized, waiting or planned, one per data owner
 VIEW_PERIOD = 5.0  # seconds between refreshes of the lease holder's view of the swarm
 
 
@@ -80,6 +91,7 @@ class Coordinator:
         *,
         timeout: float = DEFAULT_TIMEOUTS.serve,
         gate: StreamGate | None = None,
+        budget: TraceBudget | None = None,
     ) -> None:
         self.transport = transport
         self.directory = directory
@@ -88,9 +100,11 @@ class Coordinator:
         self.registry = registry
         self.timeout = timeout
         self._gate = gate
-        self._lock = asyncio.Lock()
-        self._waiting: set[str] = set()  # data owners with a request queued or being planned
+        self.budget = budget or TraceBudget()
+        self._queue = PlanningQueue(_MAX_WAITING)
+        self._waiting: set[str] = set()  # data owners with a request being sized, queued or planned
         self._viewing: asyncio.Task[None] | None = None
+        self._warm = False
 
     async def start(self) -> Coordinator:
         await self.transport.serve(COORD_PROTOCOL, self._serve, gate=self._gate)
@@ -112,6 +126,9 @@ class Coordinator:
             if not self.keeper.holds():
                 continue
             try:
+                if not self._warm:  # the lease holder traces requests: start its fork server now
+                    await asyncio.to_thread(warm_up)
+                    self._warm = True
                 await self.view.refresh(Unread())
             except (FusionP2PError, asyncio.TimeoutError, OSError) as e:
                 logger.warning("refreshing the coordinator's view failed, will retry: %s", e)
@@ -151,13 +168,17 @@ class Coordinator:
         owner = request.owner.peer_id
         if owner in self._waiting:
             raise LimitError("this data owner has a job waiting to be planned already: one at a time")
-        if len(self._waiting) >= _MAX_WAITING:
-            raise LimitError(f"{len(self._waiting)} jobs are waiting to be planned; submit again later")
+        if len(self._waiting) >= _MAX_IN_FLIGHT:
+            raise LimitError(f"{len(self._waiting)} jobs are being sized or planned; submit again later")
         self._waiting.add(owner)
+        job: TraceJob | None = None
         try:
-            async with self._lock:
-                return await self._plan(request)
+            job = await TraceJob.start(request.spec, self.registry, self.budget)
+            async with self._queue.turn(job.model_bytes):
+                return await self._plan(request, job)
         finally:
+            if job is not None:
+                job.close()
             self._waiting.discard(owner)
 
     async def _reusable_job(self, request: JobRequest) -> str:
@@ -177,7 +198,10 @@ class Coordinator:
         live = self.view.peers()
         reusable = await self._reusable_job(request)
         excluded = set(request.exclude) | {owner}
-        measured = [*self.view.links(), *request.owner_links]
+        # links count once both ends vouch for them: the data owner's (its job) and this peer's own as sent
+        measured = vouched_links(
+            [*self.view.links(), *request.owner_links], trusted={owner, self.transport.peer_id}
+        )
         reached = connected_to(owner, measured)  # a peer nobody measured yet cannot be placed
         idle = [
             _scaled(p, dict(request.speeds))
@@ -275,17 +299,17 @@ class Coordinator:
         if owners - {request.owner.peer_id}:
             raise ConfigError(f"job id {request.job} belongs to another data owner; submit under another id")
 
-    async def _plan(self, request: JobRequest) -> JobReply:
+    async def _plan(self, request: JobRequest, job: TraceJob) -> JobReply:
         owner = request.owner.peer_id
         await self._check_job_id(request)
-        traced = await asyncio.to_thread(trace_spec, request.spec, self.registry, fake=True)
+        dag = await job.trace()
         unread = Unread()  # directory keys it plans without: the reply says so
         found, view = await self._candidates(request, unread)
         cost = CostConfig(
             n_micro_batches=request.n_micro_batches,
             compression=compression_policy(request.compression, request.max_ratio),
         )
-        plan, peers, links = await asyncio.to_thread(self._plan_over, request, traced.dag, found, cost)
+        plan, peers, links = await asyncio.to_thread(self._plan_over, request, dag, found, cost)
         epoch = await self._publish(request, plan)
         logger.info(
             "planned job %s%s for %s (epoch %d): %d stage(s) on %d idle peer(s), %.3f s per iteration%s",

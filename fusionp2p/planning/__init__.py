@@ -43,6 +43,7 @@ from fusionp2p.planning.opfence import op_fence
 from fusionp2p.planning.plan import Plan, RuntimeLayout
 from fusionp2p.planning.synthetic import synthetic_swarm
 from fusionp2p.planning.topology import PlanningError, Topology
+from fusionp2p.planning.vouch import vouched_links
 
 __all__ = [
     "BASELINES",
@@ -74,4 +75,5 @@ __all__ = [
     "plan_job",
     "planned_ratios",
     "synthetic_swarm",
+    "vouched_links",
 ]

@@ -11,9 +11,26 @@ Clusters are found on the measured graph: Leiden modularity on the measured pair
 pair's tie its bandwidth over its latency (the slower direction). Latency is what tells
 sites apart even for a peer behind a slow access link; on 1,000 synthetic peers with 64
 random links each, bandwidth alone finds the clusters with an adjusted Rand index of 0.55,
-bandwidth over latency with 0.996. ``pair(A, B)`` is the upper quartile of the measured A -> B links
-(peers behind a slow access link pull the median down; the upper quartile sees past
-them); a pair of clusters no link joins takes the widest path through the cluster graph.
+bandwidth over latency with 0.996. ``pair(A, B)`` is a vote of A's peers: each peer that
+measured links into B votes the upper quartile of them, and ``pair(A, B)`` is the upper
+quartile of the votes (peers behind a slow access link pull the median down; the upper
+quartile sees past them); a pair of clusters no link joins takes the widest path through
+the cluster graph.
+
+One vote per peer is what bounds sybils. The links are the vouched ones
+(``planning.vouch``): a peer can only lower a link between itself and an honest peer, or
+raise its own by at most ``ASYMMETRY`` times what the honest end measured. Say cluster A
+holds m honest voters into B and k sybils; with v_q the q-th percentile of the honest
+votes, whatever the sybils publish,
+
+    v_(75 - 25 k / (m - 1))  <=  pair(A, B)  <=  v_(75 + 75 k / (m - 1)),
+
+so while k <= (m - 1) / 3 the estimate stays within the honest votes' range (4 sybils
+among 13 honest peers: between the honest 67th and 100th percentiles). A sybil in B
+moves an honest peer's vote only by lowering its own links, and the upper quartile holds
+until sybils are more than a quarter of the links that peer measured into B. Sybils do
+move the clustering a little (their links are ties too, if weak ones): that is not
+bounded. ``tests/test_infer.py`` pins the bound.
 ``out(u)`` / ``in(v)`` is the fastest link measured from u / into v, once measured on at
 least 8 (fewer say little about its access link). A direction measured only the other way
 takes the reverse within the same caps (access links are often asymmetric). Latency is the
@@ -103,6 +120,31 @@ def infer_unmeasured(
     return bw, lat
 
 
+def _grouped_percentile(key: np.ndarray, values: np.ndarray, q: float) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct keys, the ``q``-th percentile of ``values`` within each), as
+    ``np.percentile`` interpolates, for every group at once."""
+    order = np.lexsort((values, key))
+    key, values = key[order], values[order]
+    starts = np.flatnonzero(np.r_[True, np.diff(key) != 0])
+    sizes = np.diff(np.r_[starts, len(key)])
+    pos = (sizes - 1) * (q / 100.0)
+    low = np.floor(pos).astype(int)
+    high = np.minimum(low + 1, sizes - 1)
+    below, above = values[starts + low], values[starts + high]
+    return key[starts], below + (above - below) * (pos - low)
+
+
+def _votes(
+    src: np.ndarray, dst_cluster: np.ndarray, bw: np.ndarray, lat: np.ndarray, k: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One vote per (peer, cluster it measured links into): the upper quartile of those
+    links' bandwidths and their median latency. Returns (voter = peer * k + cluster, bw, lat)."""
+    key = src * k + dst_cluster
+    voter, vote_bw = _grouped_percentile(key, bw, 75)
+    _, vote_lat = _grouped_percentile(key, lat, 50)
+    return voter, vote_bw, vote_lat
+
+
 def _cluster_pairs(
     bw: np.ndarray, lat: np.ndarray, direct: np.ndarray, labels: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -111,13 +153,12 @@ def _cluster_pairs(
     k = int(labels.max()) + 1
     pair, pair_lat = np.zeros((k, k)), np.full((k, k), np.inf)
     src, dst = np.nonzero(direct)
-    by_pair = labels[src] * k + labels[dst]
-    order = np.argsort(by_pair, kind="stable")
-    for group in np.split(order, np.flatnonzero(np.diff(by_pair[order])) + 1):
-        if len(group):
-            a, b = divmod(int(by_pair[group[0]]), k)
-            pair[a, b] = np.percentile(bw[src[group], dst[group]], 75)
-            pair_lat[a, b] = np.median(lat[src[group], dst[group]])
+    voter, vote_bw, vote_lat = _votes(src, labels[dst], bw[src, dst], lat[src, dst], k)
+    by_pair = labels[voter // k] * k + voter % k
+    pairs, quartile = _grouped_percentile(by_pair, vote_bw, 75)
+    _, median_lat = _grouped_percentile(by_pair, vote_lat, 50)
+    pair[pairs // k, pairs % k] = quartile
+    pair_lat[pairs // k, pairs % k] = median_lat
     one_way = (pair == 0) & (pair.T > 0)
     pair, pair_lat = np.where(one_way, pair.T, pair), np.where(one_way, pair_lat.T, pair_lat)
     np.fill_diagonal(pair_lat, np.where(np.diag(pair) > 0, np.diag(pair_lat), 0.0))

@@ -23,7 +23,15 @@ from fusionp2p.net.connection import SwarmConnection
 from fusionp2p.net.directory import SwarmDirectory
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.trace import trace_spec
-from fusionp2p.planning import NO_COMPRESSION, CompressionPolicy, CostConfig, Plan, Topology, plan_job
+from fusionp2p.planning import (
+    NO_COMPRESSION,
+    CompressionPolicy,
+    CostConfig,
+    Plan,
+    Topology,
+    plan_job,
+    vouched_links,
+)
 from fusionp2p.records import ModelSpec
 from fusionp2p.runtime.job_setup import JobOptions
 from fusionp2p.training.job_spec import JobSpec
@@ -68,7 +76,7 @@ class DataOwner:
         links = [lk for lk in await self.directory.fetch_links(sorted(chosen)) if lk.dst in chosen]
         me = await asyncio.to_thread(self_record, transport.peer_id, site=self.connection.site)
         mine = await probe_from(transport, peers, nbytes=probe_bytes)
-        return Topology.from_records([*peers, me], [*links, *mine])
+        return Topology.from_records([*peers, me], vouched_links([*links, *mine], trusted={me.peer_id}))
 
     def topology(self, **kwargs: Any) -> Topology:
         """Sync ``atopology``."""

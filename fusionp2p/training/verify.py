@@ -8,10 +8,11 @@ only an equal plan. The cited records must be the swarm's: the data owner's own 
 links as it sent them, every other peer's profile as its signed record in the DHT says
 (speeds scaled only as the request asked; only peers the request allows), its free memory
 within ``MEMORY_SLACK`` of what the DHT says now, every measured link within
-``LINK_SLACK`` of its signed record, no inferred link (a pair never measured, or a
-direction taken from its reverse: the coordinator may have read the swarm before that
-direction was measured) faster than ``LINK_SLACK`` times the fastest link the data owner
-saw measured, and every peer the data owner probed itself among the candidates. A
+``LINK_SLACK`` of what its two ends' signed records vouch for (``planning.vouch``), no
+inferred link (a pair never measured, or a direction taken from its reverse: the
+coordinator may have read the swarm before that direction was measured) faster than
+``LINK_SLACK`` times the fastest link the data owner saw measured, and every peer the data
+owner probed itself among the candidates. A
 coordinator can then only plan what OP-Fence (or the baseline asked for) makes of the swarm
 as it is.
 """
@@ -23,7 +24,7 @@ from collections.abc import Mapping, Sequence
 
 from fusionp2p.errors import CoordinatorError
 from fusionp2p.opdag.ir import OpDag
-from fusionp2p.planning import CostConfig, Plan, PlanningError, Topology, plan_job
+from fusionp2p.planning import CostConfig, Plan, PlanningError, Topology, plan_job, vouched_links
 from fusionp2p.records import JobReply, JobRequest, LinkRecord, PeerRecord, PlanStageRecord
 
 __all__ = ["LINK_SLACK", "MEMORY_SLACK", "check_reply_records", "verified_plan"]
@@ -86,7 +87,8 @@ def check_reply_records(
     if left_out:
         raise _refuse(by, f"it leaves out idle peers this data owner reached: {left_out}")
     mine = {(lk.src, lk.dst): lk for lk in request.owner_links}
-    signed = {(lk.src, lk.dst): lk for lk in signed_links}
+    vouched = vouched_links([*signed_links, *request.owner_links], trusted={owner, by})
+    signed = {(lk.src, lk.dst): lk for lk in vouched}
     fastest = max([lk.bandwidth_bytes_per_s for lk in (*signed_links, *request.owner_links)], default=0.0)
     for link in reply.links:
         key, bandwidth = (link.src, link.dst), link.bandwidth_bytes_per_s
