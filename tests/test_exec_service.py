@@ -30,6 +30,7 @@ from fusionp2p.net.transport import FrameStream
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.planning import RuntimeLayout
 from fusionp2p.records import EXEC_PROTOCOL, ExecControl, JobSetup, ModelSpec, pack_message
+from fusionp2p.runtime.admission import admit_setup
 from fusionp2p.runtime.driver import PipelineDriver
 from fusionp2p.runtime.job_setup import JobOptions
 from fusionp2p.runtime.service import ExecutorService, ServicePolicy
@@ -478,3 +479,14 @@ def test_strangers_filling_every_stream_cannot_cut_a_job_off() -> None:
                 await d.aclose()
 
     asyncio.run(run())
+
+
+def test_one_data_owner_sets_up_one_job_at_a_time_even_on_a_peer_with_free_slots() -> None:
+    policy = ServicePolicy(max_jobs=4)
+    stranger, honest = "Qm" + "s" * 44, "Qm" + "h" * 44
+    setting_up = {"job-a": stranger}
+    with pytest.raises(LimitError, match="one setup at a time"):
+        admit_setup(policy, {}, setting_up, stranger, "job-b")  # a second slot for the same identity
+    admit_setup(policy, {}, setting_up, honest, "job-c")  # another data owner still gets one
+    with pytest.raises(ProtocolError, match="already set up"):
+        admit_setup(policy, {}, setting_up, honest, "job-a")

@@ -9,7 +9,7 @@ at most ``max_jobs`` jobs and never replaces one; ``accept_jobs_from`` makes it 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from fusionp2p.config import DEFAULT_TIMEOUTS, ExecLimits
@@ -76,7 +76,7 @@ def admit_opdata(job: Job, remote: str, header: OpData) -> int:
 def admit_control(
     policy: ServicePolicy,
     jobs: Mapping[str, Job],
-    setting_up: Collection[str],
+    setting_up: Mapping[str, str],
     remote: str,
     header: ExecControl,
 ) -> int:
@@ -99,13 +99,16 @@ def admit_control(
 
 
 def admit_setup(
-    policy: ServicePolicy, jobs: Mapping[str, Job], setting_up: Collection[str], remote: str, name: str
+    policy: ServicePolicy, jobs: Mapping[str, Job], setting_up: Mapping[str, str], remote: str, name: str
 ) -> None:
     """Whether ``remote`` may set up job ``name`` here now.
 
+    ``setting_up`` maps the jobs being set up to their data owners: one identity sets up one
+    job at a time, so it cannot hold every setup slot of a peer with ``--max-jobs`` > 1.
+
     Raises:
         ProtocolError: not from this peer's list, or the name is taken.
-        LimitError: this peer already runs ``max_jobs``.
+        LimitError: this peer already runs ``max_jobs``, or ``remote`` is setting one up.
     """
     if not policy.accept_setups:
         raise ProtocolError("this process runs no stages for other peers")
@@ -113,6 +116,8 @@ def admit_setup(
         raise ProtocolError("this peer takes jobs only from its operator's list (--accept-jobs-from)")
     if name in jobs or name in setting_up:
         raise ProtocolError(f"job {name!r:.40} is already set up here")
+    if remote in setting_up.values():
+        raise LimitError("this data owner is setting another job up here: one setup at a time")
     running = len(jobs) + len(setting_up)
     if running >= policy.max_jobs:
         raise LimitError(f"this peer is busy: {running} job(s) running, its --max-jobs is {policy.max_jobs}")

@@ -94,7 +94,7 @@ class ExecutorService:
         self.compute = ComputeQueue(
             transport, depth=depth, timeout=self.policy.timeout, throttle=Throttle(self.policy.emulated_speed)
         )
-        self._setting_up: set[str] = set()
+        self._setting_up: dict[str, str] = {}  # job -> its data owner, while it is set up
         self._tasks: set[asyncio.Task[None]] = set()
         self._log = RejectionLog(logger, "protocol error: rejected exec message")
         self._plan_check = plan_check
@@ -334,7 +334,7 @@ class ExecutorService:
             raise ProtocolError(
                 f"this peer runs no {setup.engine!r} engine (it offers {sorted(self._engines)})"
             )
-        self._setting_up.add(name)
+        self._setting_up[name] = remote
         try:
             if self._plan_check is not None:
                 try:
@@ -354,7 +354,7 @@ class ExecutorService:
             logger.warning("refused job %s from %s: %s", name, remote, e)
             raise
         finally:
-            self._setting_up.discard(name)
+            self._setting_up.pop(name, None)
 
     async def _connect(self, setup: JobSetup) -> None:
         async def dial(peer_id: str, maddrs: tuple[str, ...]) -> None:
