@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import multiprocessing
 import multiprocessing.connection
+import threading
 from typing import Any
 
 from fusionp2p.config import TraceBudget, format_bytes
@@ -38,12 +39,25 @@ def _context() -> Any:
     return context
 
 
-def warm_up() -> None:
-    """Starts the fork server now (it imports torch: seconds), not at the first request."""
-    from multiprocessing import forkserver
+def _ready() -> None:
+    """A child that does nothing: it starts once the fork server finished its preload."""
 
-    _context()
-    forkserver.ensure_running()
+
+_warming = threading.Lock()
+_warm = False
+
+
+def warm_up() -> None:
+    """Starts the fork server and waits until it has imported torch and built each family
+    (seconds, once per process), so that no request's budget pays for it. Blocking."""
+    global _warm
+    with _warming:
+        if not _warm:
+            child = _context().Process(target=_ready, daemon=True)
+            child.start()
+            child.join()
+            child.close()
+            _warm = True
 
 
 def _child(conn: multiprocessing.connection.Connection, spec_wire: bytes, allow: tuple[str, ...]) -> None:
@@ -89,7 +103,8 @@ class TraceJob:
         """
         allow = tuple(item for item in registry.allow if isinstance(item, str))
         job = cls(budget)
-        context = await asyncio.to_thread(_context)
+        await asyncio.to_thread(warm_up)  # the fork server's start is not this request's cost
+        context = _context()
         parent, child = context.Pipe()
         job._conn = parent
         job._process = context.Process(target=_child, args=(child, spec.to_wire(), allow), daemon=True)
