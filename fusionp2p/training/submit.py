@@ -28,7 +28,7 @@ from fusionp2p.planning import CostConfig, Plan, Topology, compression_policy
 from fusionp2p.records import COORD_PROTOCOL, JobReply, JobRequest, LeaseRecord, PeerRecord
 from fusionp2p.training.job_spec import JobSpec
 from fusionp2p.training.owner_records import probe_from, self_record
-from fusionp2p.training.verify import check_reply_records, verified_plan
+from fusionp2p.training.verify import PlanRefused, check_reply_records, verified_plan
 
 __all__ = ["SubmittedJob", "new_run_id", "plan_job_id", "submit_job", "wait_for_peers"]
 
@@ -132,9 +132,11 @@ async def submit_job(
         ConfigError: the job's model family or config is refused here.
         SwarmError: too few idle peers within the job's ``wait_peers_s``.
         CoordinatorError: no coordinator, it refused the job (its reason is in the
-            message), its plan is not in the DHT under the epoch in force, or it is not
+            message), its plan is not in the DHT under the epoch in force, or it was not
             the plan this data owner makes of the records the coordinator cites
-            (``training.verify``).
+            (``training.verify``) and no other peer took the lease within the job's
+            ``wait_peers_s``: a coordinator caught once is never asked again (nor given a
+            stage) by this submission, which waits for the next lease holder instead.
     """
     spec = job.model_spec()
     registry = registry or ModelRegistry.for_data_owner(spec.family)
@@ -147,58 +149,110 @@ async def submit_job(
     else:
         peers = await wait_for_peers(directory, job.min_peers, job.wait_peers_s, only=job.stage_peers)
     judge = LeaseJudge(allowed=frozenset(job.coordinators))
-    lease = await find_coordinator(directory, timeout=max(job.wait_peers_s, 1.0), judge=judge)
     me = await asyncio.to_thread(self_record, transport.peer_id, site=site)
-    candidates = [
-        p
-        for p in peers
-        if p.peer_id != transport.peer_id
-        and p.peer_id not in exclude
-        and (not job.stage_peers or p.peer_id in job.stage_peers)
-    ]
-    links = await probe_from(transport, candidates[:MAX_PROBED_PEERS])
-    run_id = run_id or new_run_id(job.name)
-    request = JobRequest(
-        job=run_id,
-        spec=spec,
-        n_micro_batches=job.n_micro_batches,
-        compression=job.compression,
-        method=job.plan_method,
-        owner=me,
-        owner_links=tuple(links),
-        replaces=replaces,
-        exclude=exclude,
-        speeds=speeds,
-        max_ratio=job.max_ratio,
-        only=job.stage_peers,
-    )
-    reply = await _ask(transport, lease, request, timeout)
-    if reply.unread:
-        logger.warning(
-            "the coordinator planned job %s without %d directory key(s) it could not read in time "
-            "(their peers and links are unknown to the plan): %s",
-            run_id,
-            len(reply.unread),
-            ", ".join(reply.unread[:5]),
+    attempt = _Attempt(transport, directory, job, traced, judge, me, run_id or new_run_id(job.name), timeout)
+    caught: dict[str, PlanRefused] = {}  # coordinators whose reply this data owner refused
+    loop = asyncio.get_running_loop()
+    patience = loop.time() + max(job.wait_peers_s, 1.0)
+    while True:
+        lease = await find_coordinator(directory, timeout=max(job.wait_peers_s, 1.0), judge=judge)
+        if lease.holder in caught:
+            if loop.time() >= patience:
+                raise CoordinatorError(
+                    f"{caught[lease.holder]}; no other peer took the lease within {job.wait_peers_s:.0f} s"
+                )
+            await asyncio.sleep(1.0)
+            continue
+        candidates = [
+            p
+            for p in peers
+            if p.peer_id != transport.peer_id
+            and p.peer_id not in exclude
+            and p.peer_id not in caught
+            and (not job.stage_peers or p.peer_id in job.stage_peers)
+        ]
+        try:
+            return await attempt.ask(lease, candidates, replaces, (*exclude, *caught), speeds)
+        except PlanRefused as e:
+            caught[lease.holder] = e
+            logger.warning(
+                "%s; job %s waits up to %.0f s for another peer to hold the coordinator lease",
+                e,
+                attempt.run_id,
+                patience - loop.time(),
+            )
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    """One job's submission to one coordinator after another (``submit_job``)."""
+
+    transport: Transport
+    directory: SwarmDirectory
+    job: JobSpec
+    traced: TracedModel
+    judge: LeaseJudge
+    me: PeerRecord
+    run_id: str
+    timeout: float
+
+    async def ask(
+        self,
+        lease: LeaseRecord,
+        candidates: list[PeerRecord],
+        replaces: str,
+        exclude: tuple[str, ...],
+        speeds: tuple[tuple[str, float], ...],
+    ) -> SubmittedJob:
+        """The plan ``lease``'s holder makes of this job, checked.
+
+        Raises:
+            PlanRefused: it is not the plan the swarm's records make (``training.verify``).
+            CoordinatorError: anything else went wrong with this coordinator.
+        """
+        job, transport, directory = self.job, self.transport, self.directory
+        links = await probe_from(transport, candidates[:MAX_PROBED_PEERS])
+        request = JobRequest(
+            job=self.run_id,
+            spec=job.model_spec(),
+            n_micro_batches=job.n_micro_batches,
+            compression=job.compression,
+            method=job.plan_method,
+            owner=self.me,
+            owner_links=tuple(links),
+            replaces=replaces,
+            exclude=exclude,
+            speeds=speeds,
+            max_ratio=job.max_ratio,
+            only=job.stage_peers,
         )
-    now_lease = await read_lease(directory, judge)
-    if now_lease is None or (now_lease.epoch, now_lease.holder) != (reply.epoch, reply.coordinator):
-        raise CoordinatorError(f"the coordinator changed while planning job {job.name}; submit it again")
-    records = (await directory.fetch_plans(run_id)).get((reply.epoch, reply.coordinator))
-    if not records:
-        raise CoordinatorError(f"job {run_id}'s plan (epoch {reply.epoch}) is not in the DHT")
-    cited = [p.peer_id for p in reply.peers if p.peer_id != transport.peer_id]
-    check_reply_records(
-        reply,
-        request,
-        await directory.fetch_peers(unread=Unread()),
-        await directory.fetch_links(cited, unread=Unread()),
-        [lk.dst for lk in links],
-    )
-    policy = compression_policy(job.compression, job.max_ratio)
-    cost = CostConfig(n_micro_batches=job.n_micro_batches, compression=policy)
-    plan, topo = await asyncio.to_thread(verified_plan, records, traced.dag, reply, request, cost)
-    return SubmittedJob(run_id, plan, reply, topo, traced, transport.peer_id, cost)
+        reply = await _ask(transport, lease, request, self.timeout)
+        if reply.unread:
+            logger.warning(
+                "the coordinator planned job %s without %d directory key(s) it could not read in time "
+                "(their peers and links are unknown to the plan): %s",
+                self.run_id,
+                len(reply.unread),
+                ", ".join(reply.unread[:5]),
+            )
+        now_lease = await read_lease(directory, self.judge)
+        if now_lease is None or (now_lease.epoch, now_lease.holder) != (reply.epoch, reply.coordinator):
+            raise CoordinatorError(f"the coordinator changed while planning job {job.name}; submit it again")
+        records = (await directory.fetch_plans(self.run_id)).get((reply.epoch, reply.coordinator))
+        if not records:
+            raise CoordinatorError(f"job {self.run_id}'s plan (epoch {reply.epoch}) is not in the DHT")
+        cited = [p.peer_id for p in reply.peers if p.peer_id != transport.peer_id]
+        check_reply_records(
+            reply,
+            request,
+            await directory.fetch_peers(unread=Unread()),
+            await directory.fetch_links(cited, unread=Unread()),
+            [lk.dst for lk in links],
+        )
+        policy = compression_policy(job.compression, job.max_ratio)
+        cost = CostConfig(n_micro_batches=job.n_micro_batches, compression=policy)
+        plan, topo = await asyncio.to_thread(verified_plan, records, self.traced.dag, reply, request, cost)
+        return SubmittedJob(self.run_id, plan, reply, topo, self.traced, transport.peer_id, cost)
 
 
 async def _ask(transport: Transport, lease: LeaseRecord, request: JobRequest, timeout: float) -> JobReply:

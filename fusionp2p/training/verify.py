@@ -27,15 +27,19 @@ from fusionp2p.opdag.ir import OpDag
 from fusionp2p.planning import CostConfig, Plan, PlanningError, Topology, plan_job, vouched_links
 from fusionp2p.records import JobReply, JobRequest, LinkRecord, PeerRecord, PlanStageRecord
 
-__all__ = ["LINK_SLACK", "MEMORY_SLACK", "check_reply_records", "verified_plan"]
+__all__ = ["LINK_SLACK", "MEMORY_SLACK", "PlanRefused", "check_reply_records", "verified_plan"]
 
 MEMORY_SLACK = 2.0  # a cited peer's free memory may differ this much (either way) from the DHT's now
 LINK_SLACK = 8.0  # a cited link may differ this much from its signed record: probes vary (2.4x seen on
 # loopback within seconds) and the coordinator reads the DHT a few seconds earlier
 
 
-def _refuse(coordinator: str, why: str) -> CoordinatorError:
-    return CoordinatorError(f"the coordinator {coordinator[-8:]}'s reply is refused: {why}")
+class PlanRefused(CoordinatorError):
+    """The coordinator's reply is not what the swarm's records make: the message says why."""
+
+
+def _refuse(coordinator: str, why: str) -> PlanRefused:
+    return PlanRefused(f"the coordinator {coordinator[-8:]}'s reply is refused: {why}")
 
 
 def _check_peer(cited: PeerRecord, signed: PeerRecord | None, factor: float, coordinator: str) -> None:
@@ -70,7 +74,7 @@ def check_reply_records(
     cited peers, ``probed`` the peers this data owner measured a link to.
 
     Raises:
-        CoordinatorError: the reason, naming the record.
+        PlanRefused: the reason, naming the record.
     """
     owner, by = request.owner.peer_id, reply.coordinator
     cited = {p.peer_id: p for p in reply.peers}
@@ -119,7 +123,7 @@ def verified_plan(
     cites; the plan and the topology it runs in.
 
     Raises:
-        CoordinatorError: the published plan is another one, or incomplete.
+        PlanRefused: the published plan is another one, or incomplete.
     """
     owner, by = request.owner.peer_id, reply.coordinator
     try:
