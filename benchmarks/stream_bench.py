@@ -239,14 +239,57 @@ class OpDataPath:
         return elapsed
 
 
-class DelayRelay:
-    """A TCP relay that delays every byte by ``delay`` seconds each way (run in its own process)."""
+class _Window:
+    """TCP's congestion window as a WAN link makes a sender see it, for a relay whose own
+    sockets see no round trip: at most ``cwnd`` bytes in flight, acknowledged one round trip
+    after they left; each acknowledged byte grows the window by one (slow start doubles it
+    every round trip), and a line idle for longer than ``IDLE_S`` starts again from
+    ``INITIAL`` (Linux's slow start after idle)."""
 
-    def __init__(self, target_port: int, delay: float) -> None:
-        self.target_port, self.delay = target_port, delay
+    INITIAL = 10 * 1460
+    MAX = 16 << 20
+    IDLE_S = 0.3
+
+    def __init__(self, rtt: float) -> None:
+        self.rtt, self.cwnd, self.in_flight, self.last = rtt, self.INITIAL, 0, 0.0
+        self.opened = asyncio.Event()
+        self.opened.set()
+
+    async def take(self, limit: int) -> int:
+        """Bytes the sender may put on the line now (waits for room)."""
+        if self.in_flight == 0 and time.monotonic() - self.last > self.IDLE_S:
+            self.cwnd = self.INITIAL
+        while self.in_flight >= self.cwnd:
+            self.opened.clear()
+            await self.opened.wait()
+        return min(limit, self.cwnd - self.in_flight)
+
+    def sent(self, nbytes: int, delivered_at: float) -> None:
+        self.in_flight += nbytes
+        loop = asyncio.get_running_loop()
+        loop.call_at(
+            loop.time() + max(0.0, delivered_at - time.monotonic()) + self.rtt / 2, self._ack, nbytes
+        )
+
+    def _ack(self, nbytes: int) -> None:
+        self.in_flight -= nbytes
+        self.cwnd = min(self.MAX, self.cwnd + nbytes)
+        self.last = time.monotonic()
+        self.opened.set()
+
+
+class DelayRelay:
+    """A TCP relay that delays every byte by ``delay`` seconds each way; given a ``rate``
+    (bytes/s, 0: none) it carries at most that much each way, and with ``slow_start`` it
+    ramps up as TCP over that round trip would (``_Window``). Run in its own process."""
+
+    def __init__(self, target_port: int, delay: float, rate: float = 0.0, slow_start: bool = False) -> None:
+        self.target_port, self.delay, self.rate, self.slow_start = target_port, delay, rate, slow_start
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+        window = _Window(2 * self.delay) if self.slow_start else None
+        free_at = 0.0  # when the rate-limited line is done with what it carried so far
 
         async def deliver() -> None:
             while True:
@@ -261,8 +304,17 @@ class DelayRelay:
         task = asyncio.create_task(deliver())
         with contextlib.suppress(Exception):
             while True:
-                data = await reader.read(1 << 20)
-                await queue.put((time.monotonic() + self.delay, data))
+                limit = 64 << 10 if self.rate else 1 << 20
+                if window is not None:
+                    limit = await window.take(limit)
+                data = await reader.read(limit)
+                due = time.monotonic() + self.delay
+                if self.rate and data:
+                    free_at = max(free_at, time.monotonic()) + len(data) / self.rate
+                    due = free_at + self.delay
+                if window is not None and data:
+                    window.sent(len(data), due)
+                await queue.put((due, data))
                 if not data:
                     break
         with contextlib.suppress(BaseException):
@@ -348,6 +400,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=int, default=64, help="MiB sent per case (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--delay-ms", type=float, default=10.0, help="one-way delay of the relay")
+    parser.add_argument(
+        "--rate-mbps", type=float, default=0.0, help="the relay's bandwidth each way (0: none)"
+    )
+    parser.add_argument("--slow-start", action="store_true", help="the relay ramps up as TCP over its RTT")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
     if args.serve:
@@ -356,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.relay_to:
         import uvloop  # the relay must not be the bottleneck
 
-        uvloop.run(DelayRelay(args.relay_to, args.delay_ms / 1000).serve(args.info))
+        relay = DelayRelay(args.relay_to, args.delay_ms / 1000, args.rate_mbps * 1e6 / 8, args.slow_start)
+        uvloop.run(relay.serve(args.info))
         return 0
     with tempfile.TemporaryDirectory(prefix="fusionp2p-bench-") as tmp:
         children = []

@@ -1,4 +1,5 @@
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -7,9 +8,9 @@ from fusionp2p.config import ProbeConfig
 from fusionp2p.errors import PeerUnreachableError, ProtocolError
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.memory_transport import MemoryTransport
-from fusionp2p.net.probe import NEAR_LINKS, LinkEstimator, LinkSample, probe_link, serve_probe
+from fusionp2p.net.probe import NEAR_LINKS, LinkEstimator, LinkSample, probe_bytes, probe_link, serve_probe
 from fusionp2p.net.transport import RateLimitedTransport
-from fusionp2p.records import MAX_LINKS_PER_PEER, PROBE_PROTOCOL
+from fusionp2p.records import MAX_LINKS_PER_PEER, PROBE_PROTOCOL, LinkSetRecord
 
 
 def _serve(transport: MemoryTransport, max_bytes: int, errors: list) -> None:
@@ -80,7 +81,7 @@ def test_estimator_keeps_the_best_of_its_last_samples_and_sizes_probes() -> None
     assert est.next_probe_bytes("QmB") == 10_000_000  # 100 MB/s * 0.5 s, capped
     slower = est.update("QmB", _sample(8e6, 0.05), now=30.0)  # the fast sample left the window
     assert (slower.bandwidth_bytes_per_s, slower.rtt_s) == (8e6, 0.05)
-    assert est.next_probe_bytes("QmB") == 4_000_000
+    assert est.next_probe_bytes("QmB") == 4 << 20  # 50 ms RTT: a long-haul link's floor
     est.update("QmC", _sample(1000.0), now=20.0)
     assert est.next_probe_bytes("QmC") == 1000  # floored
     assert [r.dst for r in est.records(now=35.0, max_age=20.0)] == ["QmB", "QmC"]
@@ -132,3 +133,22 @@ def test_a_full_estimator_explores_hints_and_random_peers_and_re_measures_the_st
     assert chosen[1:] == ["Qm0", "Qm1"]  # then the stalest links
     chosen = est.choose_targets(others, 100.0, [])
     assert len(chosen) == 3 and set(chosen) <= set(others)  # nothing of its own is due: explore
+
+
+def test_probes_of_a_long_haul_link_carry_its_bandwidth_delay_product_and_report_their_size() -> None:
+    config = ProbeConfig(target_seconds=0.4, min_bytes=256 << 10, max_bytes=16 << 20)
+    assert probe_bytes(100e6, 1e-3, config) == 16 << 20  # 0.4 s of a fast LAN link, capped
+    assert probe_bytes(1e6, 1e-3, config) == 400_000  # a slow near link: 0.4 s of it
+    assert probe_bytes(1e6, 0.08, config) == 4 << 20  # 80 ms: the long-haul floor, not 0.4 s
+    assert probe_bytes(1e6, 0.2, config) == 4 << 20  # 8 BDPs (1.6 MB) are below the floor
+    assert probe_bytes(5e6, 0.2, config) == 8_000_000  # 8 BDPs of 5 MB/s at 200 ms
+    est = LinkEstimator("QmA", config)
+    est.update("QmB", LinkSample(3e6, 0.08, 1 << 20, 0.5), now=1.0)
+    best = est.update("QmB", LinkSample(5e6, 0.08, 4 << 20, 0.9), now=2.0)
+    assert best.probe_bytes == 4 << 20  # the size of the probe the estimate comes from
+    again = est.update("QmB", LinkSample(4e6, 0.08, 4 << 20, 1.1), now=3.0)
+    assert (again.bandwidth_bytes_per_s, again.probe_bytes) == (5e6, 4 << 20)
+    (packed,) = LinkSetRecord.pack([best])
+    assert LinkSetRecord.from_wire(packed.to_wire()).links()[0].probe_bytes == 4 << 20
+    older = dataclasses.replace(packed, probe_bytes=())  # a set from before sizes were reported
+    assert LinkSetRecord.from_wire(older.to_wire()).links()[0].probe_bytes == 0

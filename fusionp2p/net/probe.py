@@ -36,11 +36,13 @@ from fusionp2p.records import MAX_LINKS_PER_PEER, PROBE_PROTOCOL, LinkRecord
 from fusionp2p.records.probe import MAX_PING_PAYLOAD, PROBE_ACK, PROBE_FRAME_BYTES, PROBE_NONCE
 
 __all__ = [
+    "HIGH_RTT_S",
     "HINT_SOURCES",
     "NEAR_LINKS",
     "LinkEstimator",
     "LinkSample",
     "hints_from",
+    "probe_bytes",
     "probe_link",
     "serve_probe",
 ]
@@ -49,6 +51,13 @@ NEAR_LINKS = 40  # of a peer's MAX_LINKS_PER_PEER links, this many are its faste
 _RTT_FLOOR = 100e-6  # seconds: a loopback or LAN pair counts as this near
 HINT_SHARE = 0.75  # of a full peer's explorations, this share follows hints
 HINT_SOURCES = 2  # hints: the links of this many of the peer's fastest neighbours
+RAMP_SHARE = 2  # a probe's first 1/RAMP_SHARE covers TCP's ramp-up; the rest is timed as settled
+BDP_PROBES = 8  # a probe carries at least this many bandwidth-delay products of its link
+HIGH_RTT_S = 0.02  # a round trip this long or longer is a long-haul link
+HIGH_RTT_BYTES = 4 << 20  # ... which a probe measures with at least this many bytes
+_MIN_SETTLED_S = 2e-3  # a settled part shorter than this is timer noise: the whole transfer counts
+_MIN_SETTLED_BYTES = 64 << 10
+_MAX_SETTLED_GAIN = 4.0  # the settled rate counts up to this many times the whole transfer's
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,12 @@ async def probe_link(
 ) -> LinkSample:
     """Measures RTT and goodput from this peer to ``peer_id``.
 
+    The payload goes in two parts with a PING between them; the server answers that PING
+    once the first part arrived, and the final ACK once all of it did, so the time between
+    their arrivals here is the second part's transfer at the rate the link settled on
+    (TCP's ramp-up is spent on the first part; over 80 ms of RTT a 1 MiB probe read half
+    the link as a whole). The goodput is the better of that and the whole transfer's.
+
     Raises:
         PeerUnreachableError: the peer did not answer within ``timeout``.
         ProtocolError: the peer answered with the wrong frames.
@@ -107,26 +122,62 @@ async def probe_link(
                     raise ProtocolError(f"expected PONG {i}, got {kind.name}")
                 rtts.append(time.perf_counter() - start)
             rtt = statistics.median(rtts)
-
-            chunk = bytes(min(PROBE_FRAME_BYTES, nbytes))
-            start = time.perf_counter()
-            sent = 0
-            while sent < nbytes:
-                piece = chunk[: min(len(chunk), nbytes - sent)]
-                await stream.send(FrameKind.DATA, piece, timeout=timeout)
-                sent += len(piece)
-            await stream.send(FrameKind.END, timeout=timeout)
-            kind, payload = await stream.recv(max_payload=PROBE_ACK.size, timeout=timeout)
-            seconds = time.perf_counter() - start
-            if kind is not FrameKind.ACK or len(payload) != PROBE_ACK.size:
-                raise ProtocolError(f"expected ACK, got {kind.name}")
-            (acked,) = PROBE_ACK.unpack(payload)
+            first = nbytes // RAMP_SHARE
+            answers = asyncio.create_task(_marker_then_ack(stream, PROBE_NONCE.pack(ping_count), timeout))
+            try:
+                start = time.perf_counter()
+                await _send_bytes(stream, first, timeout)
+                await stream.send(FrameKind.PING, PROBE_NONCE.pack(ping_count), timeout=timeout)
+                await _send_bytes(stream, nbytes - first, timeout)
+                await stream.send(FrameKind.END, timeout=timeout)
+                marker_at, ack_at, acked = await answers
+            finally:
+                answers.cancel()
+            seconds = ack_at - start
             if acked != nbytes:
                 raise ProtocolError(f"peer acknowledged {acked} bytes of {nbytes}")
         finally:
             await stream.close()
-    transfer = max(seconds - rtt, seconds * 0.5, 1e-6)
-    return LinkSample(bandwidth_bytes_per_s=nbytes / transfer, rtt_s=rtt, nbytes=nbytes, seconds=seconds)
+    whole = nbytes / max(seconds - rtt, seconds * 0.5, 1e-6)
+    settled = ack_at - marker_at
+    rate = whole
+    if settled >= _MIN_SETTLED_S and nbytes - first >= _MIN_SETTLED_BYTES:
+        rate = min(max(whole, (nbytes - first) / settled), _MAX_SETTLED_GAIN * whole)
+    return LinkSample(bandwidth_bytes_per_s=rate, rtt_s=rtt, nbytes=nbytes, seconds=seconds)
+
+
+async def _send_bytes(stream: FrameStream, nbytes: int, timeout: float) -> None:
+    chunk = bytes(min(PROBE_FRAME_BYTES, max(nbytes, 1)))
+    sent = 0
+    while sent < nbytes:
+        piece = chunk[: min(len(chunk), nbytes - sent)]
+        await stream.send(FrameKind.DATA, piece, timeout=timeout)
+        sent += len(piece)
+
+
+async def _marker_then_ack(stream: FrameStream, nonce: bytes, timeout: float) -> tuple[float, float, int]:
+    """When the marker PONG arrived, when the ACK did, and what it acknowledged."""
+    kind, payload = await stream.recv(max_payload=MAX_PING_PAYLOAD, timeout=timeout)
+    if kind is not FrameKind.PONG or payload != nonce:
+        raise ProtocolError(f"expected the marker PONG, got {kind.name}")
+    marker_at = time.perf_counter()
+    kind, payload = await stream.recv(max_payload=PROBE_ACK.size, timeout=timeout)
+    ack_at = time.perf_counter()
+    if kind is not FrameKind.ACK or len(payload) != PROBE_ACK.size:
+        raise ProtocolError(f"expected ACK, got {kind.name}")
+    (acked,) = PROBE_ACK.unpack(payload)
+    return marker_at, ack_at, acked
+
+
+def probe_bytes(bandwidth_bytes_per_s: float, rtt_s: float, config: ProbeConfig) -> int:
+    """The payload of a probe of a link last seen at this bandwidth and RTT: about
+    ``config.target_seconds`` of it, at least ``BDP_PROBES`` bandwidth-delay products, and at
+    least ``HIGH_RTT_BYTES`` over a long round trip (a short probe never leaves TCP's
+    ramp-up there), within the config's bounds."""
+    wanted = bandwidth_bytes_per_s * max(config.target_seconds, BDP_PROBES * rtt_s)
+    if rtt_s >= HIGH_RTT_S:
+        wanted = max(wanted, HIGH_RTT_BYTES)
+    return max(config.min_bytes, min(config.max_bytes, int(wanted)))
 
 
 def hints_from(links: Iterable[LinkRecord]) -> list[str]:
@@ -194,13 +245,15 @@ class LinkEstimator:
         return state.bandwidth_bytes_per_s / max(state.rtt_s, _RTT_FLOOR)
 
     def _record(self, dst: str, state: _LinkState) -> LinkRecord:
+        best = max(state.recent, key=lambda s: s.bandwidth_bytes_per_s)
         return LinkRecord(
             src=self.src,
             dst=dst,
-            bandwidth_bytes_per_s=state.bandwidth_bytes_per_s,
+            bandwidth_bytes_per_s=best.bandwidth_bytes_per_s,
             rtt_s=state.rtt_s,
             measured_at=state.measured_at,
             samples=state.samples,
+            probe_bytes=best.nbytes,
         )
 
     def records(self, now: float, max_age: float) -> list[LinkRecord]:
@@ -220,12 +273,11 @@ class LinkEstimator:
             self._links.pop(peer, None)
 
     def next_probe_bytes(self, dst: str) -> int:
-        """Payload for the next probe of ``dst``: about ``target_seconds`` of its bandwidth."""
+        """Payload for the next probe of ``dst`` (``probe_bytes`` of its estimate)."""
         state = self._links.get(dst)
         if state is None:
             return self.config.initial_bytes
-        wanted = int(state.bandwidth_bytes_per_s * self.config.target_seconds)
-        return max(self.config.min_bytes, min(self.config.max_bytes, wanted))
+        return probe_bytes(state.bandwidth_bytes_per_s, state.rtt_s, self.config)
 
     def probe_interval(self, *, busy: bool) -> float:
         """Seconds until the next probe round: longer while the peer is busy training."""

@@ -122,6 +122,7 @@ class LinkRecord(WireRecord):
     measured_at: float  # DHT time of the latest probe
     samples: int = 1  # probes of this link so far
     extra: dict[str, float] = field(default_factory=dict)  # room for later measurements
+    probe_bytes: int = 0  # payload of the probe that measured the bandwidth (0: not reported)
 
     def __post_init__(self) -> None:
         if not self.src or not self.dst or self.src == self.dst:
@@ -132,6 +133,8 @@ class LinkRecord(WireRecord):
             )
         if self.samples < 1:
             raise RecordError(f"LinkRecord.samples must be >= 1, got {self.samples}")
+        if self.probe_bytes < 0:
+            raise RecordError(f"LinkRecord.probe_bytes must be >= 0, got {self.probe_bytes}")
 
 
 @dataclass(frozen=True)
@@ -149,9 +152,14 @@ class LinkSetRecord(WireRecord):
     rtt_s: tuple[float, ...]
     measured_at: tuple[float, ...]
     samples: tuple[int, ...]
+    probe_bytes: tuple[
+        int, ...
+    ] = ()  # per link, the payload its bandwidth was measured with (minor addition)
 
     def __post_init__(self) -> None:
         n = len(self.dst)
+        if self.probe_bytes and len(self.probe_bytes) != n:
+            raise RecordError(f"LinkSetRecord.probe_bytes needs one size per link ({n})")
         if not 0 <= self.part < MAX_LINKS_PER_PEER // LINKS_PER_SET:
             raise RecordError(
                 f"LinkSetRecord.part must be in [0, {MAX_LINKS_PER_PEER // LINKS_PER_SET}), got {self.part}"
@@ -166,10 +174,17 @@ class LinkSetRecord(WireRecord):
 
     def links(self) -> list[LinkRecord]:
         """The links this set holds."""
+        sizes = self.probe_bytes or (0,) * len(self.dst)
         return [
-            LinkRecord(self.src, dst, bw, rtt, at, samples)
-            for dst, bw, rtt, at, samples in zip(
-                self.dst, self.bandwidth_bytes_per_s, self.rtt_s, self.measured_at, self.samples, strict=True
+            LinkRecord(self.src, dst, bw, rtt, at, samples, probe_bytes=size)
+            for dst, bw, rtt, at, samples, size in zip(
+                self.dst,
+                self.bandwidth_bytes_per_s,
+                self.rtt_s,
+                self.measured_at,
+                self.samples,
+                sizes,
+                strict=True,
             )
         ]
 
@@ -194,6 +209,7 @@ class LinkSetRecord(WireRecord):
                 rtt_s=tuple(lk.rtt_s for lk in chunk),
                 measured_at=tuple(lk.measured_at for lk in chunk),
                 samples=tuple(lk.samples for lk in chunk),
+                probe_bytes=tuple(lk.probe_bytes for lk in chunk),
             )
             for i in range(0, len(links), LINKS_PER_SET)
             for chunk in [links[i : i + LINKS_PER_SET]]

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 from hivemind.utils import get_dht_time
 
-from fusionp2p.config import DEFAULT_TIMEOUTS
+from fusionp2p.config import DEFAULT_TIMEOUTS, ProbeConfig
 from fusionp2p.errors import FusionP2PError
-from fusionp2p.net.probe import probe_link
+from fusionp2p.net.probe import HIGH_RTT_S, probe_bytes, probe_link
 from fusionp2p.net.transport import Transport
 from fusionp2p.records import LinkRecord, PeerRecord
 from fusionp2p.runtime.device_profile import free_memory, profile_device
@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 PROBE_BYTES = 1 << 20  # one probe's payload
 PROBE_PINGS = 3  # round trips per probe
+PROBE_CONFIG = ProbeConfig()  # how a second probe of a long-haul link is sized (net.probe.probe_bytes)
 
 
 def self_record(peer_id: str, device: str = "cpu", site: str = "") -> PeerRecord:
@@ -69,6 +70,12 @@ async def probe_from(
             sample = await probe_link(
                 transport, peer.peer_id, nbytes=nbytes, ping_count=PROBE_PINGS, timeout=timeout
             )
+            sized = probe_bytes(sample.bandwidth_bytes_per_s, sample.rtt_s, PROBE_CONFIG)
+            if sample.rtt_s >= HIGH_RTT_S and sized > nbytes:  # long haul: a probe of its size too
+                again = await probe_link(
+                    transport, peer.peer_id, nbytes=sized, ping_count=PROBE_PINGS, timeout=timeout
+                )
+                sample = max(sample, again, key=lambda s: s.bandwidth_bytes_per_s)
         except (FusionP2PError, TimeoutError, OSError) as e:
             logger.info("probe of %s failed, planning without it: %s", peer.peer_id[:12], e)
             continue
@@ -79,6 +86,7 @@ async def probe_from(
                 bandwidth_bytes_per_s=sample.bandwidth_bytes_per_s,
                 rtt_s=sample.rtt_s,
                 measured_at=get_dht_time(),
+                probe_bytes=sample.nbytes,
             )
         )
     return out
