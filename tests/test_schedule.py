@@ -56,3 +56,22 @@ def test_a_cycle_is_an_error_not_a_hang() -> None:
     hops = [Hop(0, 1, 0.1, 0.1, ("a", "b"), ("b", "a")), Hop(1, 0, 0.1, 0.1, ("b", "a"), ("a", "b"))]
     with pytest.raises(ValueError, match="cannot finish"):
         simulate([1.0, 1.0], [1.0, 1.0], ["a", "b"], hops, 2, [2, 1])
+
+
+@pytest.mark.parametrize(("n_micro_batches", "by_hand"), [(1, 10.0), (4, 22.0), (16, 82.0)])
+def test_latency_delays_each_transfer_without_occupying_its_link(
+    n_micro_batches: int, by_hand: float
+) -> None:
+    """Two stages, 1 s forward and 1 s backward each, tiny tensors (no link occupancy) and
+    3 s of one-way latency. By hand: F0(m0) [0,1] and F0(m1) [1,2] (stage 0 holds 2);
+    they arrive at 4 and 5; F1 B1 of m0 [4,6], of m1 [6,8]; the gradients arrive at 9 and 11;
+    B0(m0) [9,10] admits F0(m2) [10,11], B0(m1) [11,12] admits F0(m3) [12,13]: every pair
+    of micro-batches after the first ends 10 s later (one round trip of the window). Priced
+    as link occupancy, m1 would wait 3 s for m0 to leave the link, and so on."""
+    peers = ["a", "b"]
+    hops = [Hop(0, 1, 0.0, 0.0, ("a", "b"), ("b", "a"), 3.0, 3.0)]
+    in_flight = stage_in_flight(n_micro_batches, peers)
+    assert simulate([1.0, 1.0], [1.0, 1.0], peers, hops, n_micro_batches, in_flight) == pytest.approx(by_hand)
+    occupied = [Hop(0, 1, 3.0, 3.0, ("a", "b"), ("b", "a"))]  # the old model: latency as busy time
+    if n_micro_batches > 1:
+        assert simulate([1.0, 1.0], [1.0, 1.0], peers, occupied, n_micro_batches, in_flight) > by_hand

@@ -1,7 +1,8 @@
 """The cost model: compute time, link time after compression, memory (FusionLLM §3.5, §5).
 
 - compute time of a node on a peer = FLOPs / the peer's measured FLOP/s;
-- link time = alpha + wire bytes / bandwidth (alpha = one-way latency; links may be asymmetric);
+- link time = alpha + wire bytes / bandwidth (alpha = one-way latency; links may be asymmetric),
+  of which only wire bytes / bandwidth occupies the link: transfers overlap in flight;
 - wire bytes of a Top-K message at ratio r = numel / r * (value bytes + index bytes) + header,
   or the dense bytes where compression would not pay;
 - Top-K coding time of a compressed link, on each side, = numel * (seconds per element) +
@@ -207,14 +208,16 @@ def planned_budgets(
 ) -> np.ndarray:
     """Seconds each link of a ``planned`` plan may take per micro-batch and direction.
 
-    A link is hidden under the bottleneck peer's compute ``bottleneck_s`` (so it is never
-    the busiest resource), and also adds at most its share of ``policy.slack`` of the
-    iteration to the critical path: ``iteration_s`` is the iteration with every link at
-    its latency alone, ``L + (n_b - 1) B``, and each of the ``2 * n_links`` directions gets
-    an equal share. Without that second bound a link at exactly the bottleneck time
-    would still lengthen the critical path by that much, per hop and per direction."""
+    A link's latency is in flight, not occupancy (``planning.schedule``), so the budget is
+    its latency plus what the transfer may occupy the link for: at most the bottleneck
+    peer's compute ``bottleneck_s`` (so it is never the busiest resource), and at most its
+    share of ``policy.slack`` of the iteration on the critical path: ``iteration_s`` is the
+    iteration with every link at its latency alone, ``L + (n_b - 1) B``, and each of the
+    ``2 * n_links`` directions gets an equal share. Without that second bound a link at
+    exactly the bottleneck time would still lengthen the critical path by that much, per
+    hop and per direction."""
     share = policy.slack * np.asarray(iteration_s, dtype=float) / max(1, 2 * n_links)
-    return np.minimum(np.asarray(bottleneck_s, dtype=float), np.asarray(latency, dtype=float) + share)
+    return np.asarray(latency, dtype=float) + np.minimum(np.asarray(bottleneck_s, dtype=float), share)
 
 
 @dataclass(frozen=True, kw_only=True)

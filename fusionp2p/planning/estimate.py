@@ -6,8 +6,11 @@ forward link (activations) and a backward link (gradients), each ``alpha + wire 
 its own direction; a compressed link also costs Top-K coding time on both of its peers,
 on their devices and on the forward path. Resources are peers (their stages share one
 device) and directed links: a peer pair's own inside a site, one shared link per direction
-between two sites (``Topology.link_resource``). With ``L`` the forward plus backward
-critical path and ``B`` the busiest resource:
+between two sites (``Topology.link_resource``). A link's latency is on the path, not its
+occupancy: a transfer holds its link for ``wire / bw``, and the next may start while the
+last is still in flight (issue 39: pricing ``alpha`` as busy time made a 40 ms path cost
+2-12x its latency at 1-16 micro-batches). With ``L`` the forward plus backward critical
+path and ``B`` the busiest resource:
 
     sequential (one micro-batch at a time):  n_b * L
     pipelined  (n_b micro-batches in flight): L + (n_b - 1) * B
@@ -67,9 +70,21 @@ class LinkEstimate:
     dense_bytes: float
     ratio: float
     wire_bytes: float
-    fwd_s: float  # activations src -> dst
-    bwd_s: float  # gradients dst -> src
+    fwd_s: float  # activations src -> dst: one-way latency + wire bytes / bandwidth
+    bwd_s: float  # gradients dst -> src, the same
     codec_s: float = 0.0  # Top-K coding on both peers, both directions (0 when dense)
+    fwd_latency_s: float = 0.0  # of fwd_s, the one-way latency: path time, not link occupancy
+    bwd_latency_s: float = 0.0
+
+    @property
+    def fwd_busy_s(self) -> float:
+        """Seconds the forward transfer occupies its link (latency overlaps in flight)."""
+        return self.fwd_s - self.fwd_latency_s
+
+    @property
+    def bwd_busy_s(self) -> float:
+        """Seconds the gradient transfer occupies its link."""
+        return self.bwd_s - self.bwd_latency_s
 
 
 @dataclass(frozen=True)
@@ -244,6 +259,8 @@ def estimate(
                 topo.latency[pa, pb] + wire / topo.bandwidth[pa, pb],
                 topo.latency[pb, pa] + wire / topo.bandwidth[pb, pa],
                 send + recv,
+                float(topo.latency[pa, pb]),
+                float(topo.latency[pb, pa]),
             )
         )
 
@@ -256,8 +273,8 @@ def estimate(
         pa, pb = peers[lk.src], peers[lk.dst]
         if pa != pb:
             for key, seconds in (
-                (topo.link_resource(pa, pb), lk.fwd_s),
-                (topo.link_resource(pb, pa), lk.bwd_s),
+                (topo.link_resource(pa, pb), lk.fwd_busy_s),
+                (topo.link_resource(pb, pa), lk.bwd_busy_s),
             ):
                 busy[key] = busy.get(key, 0.0) + seconds
     bottleneck = max(busy.values())
@@ -278,7 +295,16 @@ def estimate(
             return topo.link_resource(peers[a], peers[b]) if peers[a] != peers[b] else None
 
         hops = [
-            Hop(lk.src, lk.dst, lk.fwd_s, lk.bwd_s, resource(lk.src, lk.dst), resource(lk.dst, lk.src))
+            Hop(
+                lk.src,
+                lk.dst,
+                lk.fwd_busy_s,
+                lk.bwd_busy_s,
+                resource(lk.src, lk.dst),
+                resource(lk.dst, lk.src),
+                lk.fwd_latency_s,
+                lk.bwd_latency_s,
+            )
             for lk in links
         ]
         return simulate((fwd + coding).tolist(), bwd.tolist(), peers, hops, n_b, in_flight)

@@ -97,8 +97,8 @@ def exact_plan(
                 on_link: dict[tuple[str, int, int], np.ndarray] = {}  # Topology.link_resource
                 for j in range(k - 1):
                     for key, seconds in (
-                        (topo.link_resource(seq[j], seq[j + 1]), lf[:, j]),
-                        (topo.link_resource(seq[j + 1], seq[j]), lb[:, j]),
+                        (topo.link_resource(seq[j], seq[j + 1]), lf[:, j] - lat_f[j]),  # occupancy:
+                        (topo.link_resource(seq[j + 1], seq[j]), lb[:, j] - lat_b[j]),  # latency is in flight
                     ):
                         on_link[key] = on_link.get(key, 0.0) + seconds
                 bottleneck = np.maximum(bottleneck, np.max(list(on_link.values()), axis=0))

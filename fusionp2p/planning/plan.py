@@ -211,6 +211,11 @@ class Plan(Estimated):
                     f"ratio {lk.ratio:.0f}, "
                     f"{lk.wire_bytes / 2**20:.2f} MiB on the wire, fwd {lk.fwd_s * 1e3:.1f} ms, "
                     f"bwd {lk.bwd_s * 1e3:.1f} ms"
+                    + (
+                        f" (in flight {lk.fwd_latency_s * 1e3:.1f} / {lk.bwd_latency_s * 1e3:.1f} ms of them)"
+                        if lk.fwd_latency_s or lk.bwd_latency_s
+                        else ""
+                    )
                     + (f", Top-K coding {lk.codec_s * 1e3:.1f} ms" if lk.codec_s else "")
                 )
         return "\n".join(rows)

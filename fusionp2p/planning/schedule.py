@@ -9,8 +9,10 @@ bound then runs low by 1.3x and more. ``simulate`` replays what the runtime does
 of micro-batch m only when fewer than ``in_flight[k]`` micro-batches hold activations
 there, and a forward held for that runs as soon as the backward that admits it ends;
 otherwise a backward goes before any forward, and arrival order decides. Each directed
-link resource (``Topology.link_resource``) carries one transfer at a time, in arrival order.
-Pure: numbers in, seconds out.
+link resource (``Topology.link_resource``) carries one transfer at a time, in arrival order,
+for the transfer's bytes over its bandwidth; the link's latency is not occupancy: a
+transfer arrives that long after it left the link, and the next one may already be on the
+wire (a windowed stream keeps several in flight). Pure: numbers in, seconds out.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ __all__ = ["Hop", "simulate"]
 @dataclass(frozen=True)
 class Hop:
     """Traffic from stage ``src`` to stage ``dst`` (``src < dst``) per micro-batch: the
-    seconds on the wire each way and the resource each direction occupies (``None``: the
-    two stages share a peer, the hop is free)."""
+    seconds each way occupies its link (bytes over bandwidth), the resource each direction
+    occupies (``None``: the two stages share a peer, the hop is free), and each direction's
+    one-way latency (a transfer arrives that long after its occupancy ends)."""
 
     src: int
     dst: int
@@ -34,9 +37,12 @@ class Hop:
     bwd_s: float
     fwd_resource: Hashable | None
     bwd_resource: Hashable | None
+    fwd_latency_s: float = 0.0
+    bwd_latency_s: float = 0.0
 
 
-_FWD, _BWD, _SEND, _RETURN = 0, 1, 2, 3  # a stage's forward / backward; a hop's forward / gradient
+# a stage's forward / backward; a hop's forward / gradient on its link, then arriving at its end
+_FWD, _BWD, _SEND, _RETURN, _SENT, _RETURNED = 0, 1, 2, 3, 4, 5
 
 
 def simulate(
@@ -116,12 +122,16 @@ def simulate(
                 release((_SEND, h, m), now)
             release((_BWD, index, m), now)
         elif kind == _SEND:
+            heapq.heappush(events, (now + hops[index].fwd_latency_s, _SENT, index, m))
+        elif kind == _SENT:
             release((_FWD, hops[index].dst, m), now)
         elif kind == _BWD:
             for h in into[index]:
                 release((_RETURN, h, m), now)
             if m + in_flight[index] < n_micro_batches:
                 release((_FWD, index, m + in_flight[index]), now, gate=True)
+        elif kind == _RETURN:
+            heapq.heappush(events, (now + hops[index].bwd_latency_s, _RETURNED, index, m))
         else:
             release((_BWD, hops[index].src, m), now)
         start_free(now)

@@ -150,6 +150,8 @@ def search_sequence(
     for _ in range(passes):  # later passes: adaptive reference and planned budget from the previous
         link_f = np.zeros((m, m, len(pos)))
         link_b = np.zeros((m, m, len(pos)))
+        busy_f = np.zeros((m, m, len(pos)))  # what the link is occupied for: latency is in flight
+        busy_b = np.zeros((m, m, len(pos)))
         for a, pa in enumerate(seq):
             for b, pb in enumerate(seq):
                 if a >= b:
@@ -171,7 +173,9 @@ def search_sequence(
                     ratio = np.clip(policy.ratio * ch.dense_time(pa, pb) / t_ref, 1.0, policy.max_ratio)
                 f, bk = ch.link_times(pa, pb, ratio)
                 link_f[a, b], link_b[a, b] = f[pos], bk[pos]
-        link_fill, link_max = link_f + link_b, np.maximum(link_f, link_b)
+                busy_f[a, b] = f[pos] - topo.latency[pa, pb] if pa != pb else 0.0
+                busy_b[a, b] = bk[pos] - topo.latency[pb, pa] if pa != pb else 0.0
+        link_fill, link_max = link_f + link_b, np.maximum(busy_f, busy_b)
         b_star, _ = _dp_depths(stage, link_fill, link_max, None)
         if not math.isfinite(b_star):
             return best
