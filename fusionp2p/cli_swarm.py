@@ -136,7 +136,17 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(format_jobs(lease, plans, peers, now))
         print()
         print(format_runs(runs, now))
+    if not peers:
+        print(_no_peers_hint(args.swarm), file=sys.stderr)
+        return 1
     return 0
+
+
+def _no_peers_hint(swarm: str) -> str:
+    return (
+        f"no live peer in swarm {swarm!r}: peers of other swarms are invisible, so check --swarm "
+        "(every peer and client of one swarm must give the same name) and --initial-peers"
+    )
 
 
 # -- plan ---------------------------------------------------------------------------------

@@ -343,6 +343,20 @@ def test_train_cli_refuses_a_bad_job_in_one_line(client: Swarm, tmp_path: Path, 
     assert not left  # nothing left running: not its DHT daemon either
 
 
+def test_a_mistyped_swarm_name_is_named_as_the_likely_cause(client: Swarm, tmp_path: Path) -> None:
+    typo = [*("--initial-peers", *client.multiaddrs[:2]), "--swarm", "coordd"]
+    config = tmp_path / "job.toml"
+    config.write_text(f'name = "x"\n[train]\nwait_peers_s = 2\n[output]\ndir = "{tmp_path}"\n')
+    done, left = run_grouped([*TRAIN, "--config", str(config), "--no-progress", *typo], timeout=120)
+    assert done.returncode != 0 and "no peer of swarm 'coordd' is live" in done.stderr, done.stderr
+    assert "check the swarm name (--swarm)" in done.stderr and not left
+    status = [sys.executable, "-m", "fusionp2p", "--log-level", "error", "status"]
+    done, left = run_grouped([*status, *typo], timeout=120)
+    assert done.returncode == 1 and "no live peer in swarm 'coordd'" in done.stderr, done.stderr
+    done, left = run_grouped([*status, *typo[:-2], "--swarm", "coord"], timeout=120)  # the right name
+    assert done.returncode == 0 and not left, done.stderr
+
+
 def test_a_job_file_naming_an_import_path_runs_nothing_unless_train_allows_it(tmp_path: Path) -> None:
     (tmp_path / "pwn_module.py").write_text(f"open({str(tmp_path / 'pwned')!r}, 'w').close()\nbuild = None\n")
     config = tmp_path / "job.toml"

@@ -102,7 +102,9 @@ def test_a_job_file_names_the_bad_field_in_one_line() -> None:
         "[train]\nlr = -1.0\n": "job.toml: [train] lr: must be a number",
         "[train]\ncompression = 'zip'\n": "job.toml: [train] compression: must be one of",
         "[data]\nseq_len = 'long'\n": "job.toml: [data] seq_len: must be an integer",
-        "colour = 'red'\n": "job.toml: colour: unknown key",
+        "colour = 'red'\n": "job.toml: colour: unknown key (top-level keys: name)",
+        "[train]\nstep = 20\n": "job.toml: [train] step: unknown key; did you mean 'steps'? ([train] keys:",
+        "[trian]\nsteps = 3\n": "job.toml: [trian] steps: unknown key; did you mean [train]? (sections:",
         "[model]\nconfig = 3\n": "job.toml: [model] config: must be a table",
         "name = 'a b'\n": "job.toml: name: must be 1-64 letters",
         "[train]\nplan_method = 'random'\n": "job.toml: [train] plan_method: must be one of",
@@ -112,6 +114,7 @@ def test_a_job_file_names_the_bad_field_in_one_line() -> None:
         with pytest.raises(ConfigError) as refused:
             JobSpec.from_toml(text)
         assert str(refused.value).startswith(message) and "\n" not in str(refused.value), text
+        assert len(str(refused.value)) < 300, refused.value  # a section's keys, not every key
 
 
 def test_the_corpus_cuts_byte_tokens_into_seeded_batches(tmp_path) -> None:

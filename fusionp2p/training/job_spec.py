@@ -8,6 +8,7 @@ one is reported as one line naming it: ``job.toml: [train] micro_batch_size: ...
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -146,6 +147,23 @@ def _check_float(name: str, value: Any, low: float, high: float) -> None:
         raise ConfigError(
             f"{_WHERE.get(name, name)}: must be a number in [{low:g}, {high:g}], got {value!r:.40}"
         )
+
+
+def _unknown_key(section: str, key: str) -> str:
+    """An unknown job-file key's error: the nearest known key, and the keys of its section
+    (a section that does not exist: the nearest one, and every section)."""
+    where = f"[{section}] {key}" if section else key
+    sections = sorted({s for s, _ in _TOML_FIELDS})
+    if section not in sections:
+        near = difflib.get_close_matches(section, [s for s in sections if s], n=1)
+        hint = f"; did you mean [{near[0]}]?" if near else ""
+        return f"{where}: unknown key{hint} (sections: {', '.join(f'[{s}]' for s in sections if s)})"
+    keys = sorted(k for s, k in _TOML_FIELDS if s == section)
+    near = difflib.get_close_matches(key, keys, n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    return (
+        f"{where}: unknown key{hint} ({f'[{section}]' if section else 'top-level'} keys: {', '.join(keys)})"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -343,9 +361,7 @@ class JobSpec:
     def _take(values: dict[str, Any], section: str, key: str, value: Any) -> None:
         name = _TOML_FIELDS.get((section, key))
         if name is None:
-            where = f"[{section}] {key}" if section else key
-            known = sorted(f"[{s}] {k}" if s else k for s, k in _TOML_FIELDS)
-            raise ConfigError(f"{where}: unknown key (known: {', '.join(known)})")
+            raise ConfigError(_unknown_key(section, key))
         values[name] = value
 
     @classmethod

@@ -100,9 +100,15 @@ async def wait_for_peers(
         if len(idle) >= n:
             return idle
         if loop.time() >= deadline:
+            hint = (
+                f"; no peer of swarm {directory.swarm!r} is live at all: peers of other swarms are "
+                "invisible, so check the swarm name (--swarm) and --initial-peers"
+                if not peers
+                else ""
+            )
             raise SwarmError(
                 f"too few peers: the job needs {n} idle peer(s), the swarm has {len(idle)} "
-                f"({len(peers)} live) after {timeout:.0f} s"
+                f"({len(peers)} live) after {timeout:.0f} s{hint}"
             )
         await asyncio.sleep(1.0)
 
