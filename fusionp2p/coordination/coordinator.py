@@ -21,10 +21,10 @@ from dataclasses import dataclass, replace
 
 from hivemind.utils import get_dht_time
 
-from fusionp2p.config import DEFAULT_TIMEOUTS
+from fusionp2p.config import DEFAULT_TIMEOUTS, TraceBudget
 from fusionp2p.coordination.election import LeaseKeeper
 from fusionp2p.coordination.queue import PlanningQueue
-from fusionp2p.coordination.trace_budget import TraceBudget, TraceJob, warm_up
+from fusionp2p.coordination.trace_budget import TraceJob, warm_up
 from fusionp2p.errors import ConfigError, FusionP2PError, LimitError, ProtocolError
 from fusionp2p.net.directory import SwarmDirectory, Unread
 from fusionp2p.net.directory_view import DirectoryView, ViewState
@@ -104,7 +104,6 @@ class Coordinator:
         self._queue = PlanningQueue(_MAX_WAITING)
         self._waiting: set[str] = set()  # data owners with a request being sized, queued or planned
         self._viewing: asyncio.Task[None] | None = None
-        self._warm = False
 
     async def start(self) -> Coordinator:
         await self.transport.serve(COORD_PROTOCOL, self._serve, gate=self._gate)
@@ -126,9 +125,7 @@ class Coordinator:
             if not self.keeper.holds():
                 continue
             try:
-                if not self._warm:  # the lease holder traces requests: start its fork server now
-                    await asyncio.to_thread(warm_up)
-                    self._warm = True
+                await asyncio.to_thread(warm_up)  # the lease holder traces requests: its fork server, once
                 await self.view.refresh(Unread())
             except (FusionP2PError, asyncio.TimeoutError, OSError) as e:
                 logger.warning("refreshing the coordinator's view failed, will retry: %s", e)

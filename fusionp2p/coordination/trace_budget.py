@@ -21,13 +21,18 @@ import multiprocessing.connection
 import threading
 from typing import Any
 
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
 from fusionp2p.config import TraceBudget, format_bytes
 from fusionp2p.errors import ConfigError, FusionP2PError, LimitError
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.ir import OpDag
+from fusionp2p.opdag.spec import build_model
+from fusionp2p.opdag.trace import trace_spec
 from fusionp2p.records import ModelSpec
 
-__all__ = ["TraceBudget", "TraceJob", "warm_up"]
+__all__ = ["TraceJob", "warm_up"]
 
 _PRELOAD = ["fusionp2p.opdag.trace", "fusionp2p.coordination.tracer_preload"]
 _EXIT_S = 5.0  # seconds a killed child gets to be reaped
@@ -62,12 +67,6 @@ def warm_up() -> None:
 
 def _child(conn: multiprocessing.connection.Connection, spec_wire: bytes, allow: tuple[str, ...]) -> None:
     """Runs in the child: size, wait for the go, trace. Every outcome is one message."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from fusionp2p.opdag.spec import build_model
-    from fusionp2p.opdag.trace import trace_spec
-
     try:
         spec = ModelSpec.from_wire(spec_wire)
         registry = ModelRegistry(allow=allow)
