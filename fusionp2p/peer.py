@@ -28,7 +28,7 @@ from fusionp2p.coordination.coordinator import Coordinator
 from fusionp2p.coordination.election import LeaseJudge, LeaseKeeper, read_lease
 from fusionp2p.coordination.plan_check import check_planned_setup
 from fusionp2p.errors import FusionP2PError, ProtocolError
-from fusionp2p.net.dht_node import start_dht
+from fusionp2p.net.dht_node import start_dht, stop_dht
 from fusionp2p.net.directory import SwarmDirectory, Unread
 from fusionp2p.net.identity import ensure_identity, load_signing_key
 from fusionp2p.net.limits import StreamGate
@@ -164,7 +164,7 @@ class Peer:
             peer.state = "idle"
             await peer._publish_self()
         except BaseException:
-            dht.shutdown()
+            stop_dht(dht)
             if tmpdir:
                 shutil.rmtree(tmpdir, ignore_errors=True)
             raise
@@ -360,7 +360,7 @@ class Peer:
             await self.executors.aclose()
         with contextlib.suppress(Exception):
             await self.transport.aclose()
-        await asyncio.to_thread(self.dht.shutdown)
+        await asyncio.to_thread(stop_dht, self.dht)
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
         logger.info("peer %s left swarm %r", self.peer_id, self.config.swarm)

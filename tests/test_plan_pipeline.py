@@ -79,7 +79,7 @@ def _exact(client: Swarm, spec: ModelSpec, plan: Plan, loss: str) -> None:
     )
     options = JobOptions(n_micro_batches=plan.n_micro_batches, optimizer=OPT, loss=loss)
     with client.data_owner().pipeline(spec, plan=plan, options=options, registry=LOCAL) as pipe:
-        assert pipe.plan is plan and pipe.partition.n_stages == 1 + len(set(plan.peer_ids))
+        assert pipe.plan is plan and pipe.partition.n_stages == len(set(plan.peer_ids))  # its own too
         for it in range(2):
             opt.zero_grad()
             want = []
@@ -103,9 +103,10 @@ def test_a_plan_trains_exactly(swarm: Swarm, method: str) -> None:
     plan = swarm.data_owner().plan(GPT2, method=method, n_micro_batches=N_MB)
     assert plan.dag.startswith("gpt2@") and plan.n_micro_batches == N_MB
     assert math.isfinite(plan.iteration_s) and plan.method.startswith(method.split("/")[0])
-    assert swarm.peers() and set(plan.peer_ids) <= {p.peer_id for p in swarm.peers()}  # never this process
+    (me,) = set(plan.peer_ids) - {p.peer_id for p in swarm.peers()}  # this process, the data owner ...
+    assert plan.peer_ids[0] == plan.peer_ids[-1] == me and me not in plan.peer_ids[1:-1]  # ... at both ends
     if method == "equal-number/none":
-        assert len(set(plan.peer_ids)) == 3  # every peer gets a share
+        assert len(set(plan.peer_ids[1:-1])) == 3  # every peer gets a share of the rest
     _exact(swarm, GPT2, plan, "lm")
 
 
@@ -131,8 +132,8 @@ def test_the_pipeline_estimate_counts_what_runs(swarm: Swarm) -> None:
     plan = owner.plan(GPT2, method="equal-number/none", n_micro_batches=N_MB, topology=topology)
     with owner.pipeline(GPT2, plan=plan, options=_options(plan)) as pipe:
         est = pipe.estimate(topology)
-        ops = sum(1 for seg in pipe.partition.segments if seg.kind == "ops")
-        assert len(est.compute_s) == ops  # one estimated stage per segment, the data owner's included
+        ops = sum(1 for seg in pipe.partition.segments if seg.kind != "source")
+        assert len(est.compute_s) == ops  # one estimated stage per segment, the data owner's and its loss too
         assert 0 < est.critical_path_s <= est.pipelined_s < math.inf
 
 
@@ -179,10 +180,10 @@ def test_each_stage_holds_the_micro_batches_its_plan_counted(swarm: Swarm) -> No
     n_b = 6  # more than the stages, so 1F1B's per-stage depths differ from the window
     owner = swarm.data_owner()
     plan = owner.plan(GPT2, method="equal-number/none", n_micro_batches=n_b)
-    assert len(set(plan.peer_ids)) == 3
+    assert len(plan.stages) == 5 and len(set(plan.peer_ids[1:-1])) == 3  # the data owner's at both ends
     with owner.pipeline(GPT2, plan=plan, options=_options(plan)) as pipe:
         held = [setup.in_flight for setup in pipe.driver.setups]
-        assert held == [4, 3, 2, 1]  # the data owner's window, then min(n_b, S - k) per plan stage
+        assert held == [5, 4, 3, 2]  # min(n_b, S - k) per plan stage, the data owner's as its first one
         peaks = []
         for it in range(3):
             batches = [b for b in _batches(GPT2, it) for _ in range(2)]

@@ -22,7 +22,7 @@ from hivemind.p2p import P2P
 
 from fusionp2p.config import DEFAULT_SWARM, DEFAULT_TIMEOUTS, check_peer_maddr, check_site
 from fusionp2p.errors import SwarmError
-from fusionp2p.net.dht_node import start_dht
+from fusionp2p.net.dht_node import start_dht, stop_dht
 from fusionp2p.net.directory import SwarmDirectory
 from fusionp2p.net.identity import ensure_identity, load_signing_key
 from fusionp2p.net.transport import P2PTransport
@@ -154,7 +154,7 @@ class SwarmConnection:
                     DEFAULT_TIMEOUTS.shutdown
                 )
         self._closed = True
-        self._dht.shutdown()
+        stop_dht(self._dht)
         if self._loop is not None:
             if self._thread is not None:
                 self._loop.call_soon_threadsafe(self._loop.stop)

@@ -21,7 +21,7 @@ from fusionp2p.errors import SwarmError
 from fusionp2p.net.sockets import hivemind_sockets, remove_stale
 from fusionp2p.net.validation import make_validators
 
-__all__ = ["start_dht"]
+__all__ = ["start_dht", "stop_dht"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,19 @@ async def _exit_with_parent(_dht: hivemind.DHT, node: hivemind.DHTNode) -> None:
         await asyncio.wait_for(node.shutdown(), 5)
     finally:
         os._exit(0)
+
+
+def stop_dht(dht: hivemind.DHT, grace_s: float = 5.0) -> None:
+    """Stops ``dht``'s process: hivemind's shutdown (a request, then SIGTERM), then SIGKILL
+    when it still runs ``grace_s`` later. A DHT process that outlives its shutdown keeps
+    this one from exiting, since ``multiprocessing`` joins its children at exit (seen: a
+    peer that had left its swarm still running minutes later)."""
+    dht.shutdown()
+    dht.join(grace_s)
+    if dht.is_alive():
+        logger.warning("the DHT process did not stop on SIGTERM; killing it")
+        dht.kill()
+        dht.join(grace_s)
 
 
 def start_dht(

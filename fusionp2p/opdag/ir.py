@@ -13,7 +13,9 @@ from functools import cached_property
 
 from fusionp2p.errors import FusionP2PError
 
-__all__ = ["OpDag", "OpDagError", "OpNode"]
+__all__ = ["LOSS_ID", "OpDag", "OpDagError", "OpNode"]
+
+LOSS_ID = "output"  # a traced OP-DAG's last node: the data owner's loss, reading the graph's outputs
 
 
 class OpDagError(FusionP2PError, ValueError):
@@ -36,6 +38,7 @@ class OpNode:
     output_shapes: tuple[tuple[int, ...], ...] = ()
     output_dtypes: tuple[str, ...] = ()
     tied: tuple[str, ...] = ()  # names of parameters shared with other nodes
+    pinned: bool = False  # runs with the data owner whatever the plan (reads its inputs, is the loss, ...)
 
     def __post_init__(self) -> None:
         for name in ("fwd_flops", "bwd_flops", "param_bytes", "output_bytes", "saved_bytes"):

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from fusionp2p.errors import ConfigError
+from fusionp2p.opdag.ir import LOSS_ID as LOSS
 from fusionp2p.records import FLOAT_DTYPES, WIRE_DTYPES
 
 __all__ = [
@@ -41,12 +42,11 @@ __all__ = [
     "Segment",
     "ValueInfo",
     "balanced_assignment",
+    "data_owner_nodes",
     "graph_fingerprint",
     "op_node_names",
     "partition",
 ]
-
-LOSS = "output"  # the graph's output node: the data owner's loss reads it
 
 
 @dataclass(frozen=True)
@@ -164,11 +164,15 @@ def _value_info(node: torch.fx.Node) -> ValueInfo | None:
 
 
 def _initial_stages(
-    ops: list[str], assignment: Mapping[str, int] | Sequence[int], n_stages: int
+    ops: list[str], assignment: Mapping[str, int] | Sequence[int], n_stages: int, data_stage: int
 ) -> dict[str, int]:
-    """The stage of every operator node as ``assignment`` gives it, checked."""
+    """The stage of every operator node as ``assignment`` gives it, checked. An assignment
+    may also place the loss (``LOSS`` by name, or one entry past the operator nodes, as an
+    OP-DAG's last node): on the data owner's stage, where it runs.
+    """
     if isinstance(assignment, Mapping):
-        unknown = set(assignment) - set(ops)
+        loss = assignment.get(LOSS)
+        unknown = set(assignment) - set(ops) - {LOSS}
         if unknown:
             raise ConfigError(f"assignment names nodes the graph does not have: {sorted(unknown)[:5]}")
         missing = [n for n in ops if n not in assignment]
@@ -176,9 +180,14 @@ def _initial_stages(
             raise ConfigError(f"assignment misses {len(missing)} nodes, e.g. {missing[:5]}")
         stage_of = {n: int(assignment[n]) for n in ops}
     else:
-        if len(assignment) != len(ops):
+        loss = assignment[len(ops)] if len(assignment) == len(ops) + 1 else None
+        if len(assignment) not in (len(ops), len(ops) + 1):
             raise ConfigError(f"assignment has {len(assignment)} stages for {len(ops)} operator nodes")
-        stage_of = {n: int(s) for n, s in zip(ops, assignment, strict=True)}
+        stage_of = {n: int(s) for n, s in zip(ops, assignment, strict=False)}
+    if loss is not None and int(loss) != data_stage:
+        raise ConfigError(
+            f"the assignment puts the loss on stage {loss}: it runs on the data owner's, {data_stage}"
+        )
     bad = {s for s in stage_of.values() if not 0 <= s < n_stages}
     if bad:
         raise ConfigError(f"assignment uses stages {sorted(bad)} outside [0, {n_stages})")
@@ -276,6 +285,17 @@ class _Normalizer:
                 return wave
 
 
+def data_owner_nodes(program: Any) -> frozenset[str]:
+    """The operator nodes that run with the data owner whatever the assignment: what
+    ``partition``'s rules move there when every other node is on another stage (nodes
+    that read the raw inputs, what shares a parameter with them, what reads nothing from
+    other stages). A plan pins them to the data owner before it places the rest."""
+    ops = op_node_names(program.graph)
+    norm = _Normalizer(program, dict.fromkeys(ops, 1), data_stage=0)
+    norm.run()
+    return frozenset(n for n in ops if norm.stage_of[n] == 0)
+
+
 def _segments(
     norm: _Normalizer, wave: Mapping[str, int]
 ) -> tuple[tuple[Segment, ...], dict[str, int], dict[str, list[int]], dict[str, ValueInfo]]:
@@ -344,7 +364,7 @@ def partition(
         raise ConfigError(f"models that mutate buffers cannot be split yet: {sorted(mutated)}")
     if not 0 <= data_stage < n_stages:
         raise ConfigError(f"data_stage {data_stage} not in [0, {n_stages})")
-    stage_of = _initial_stages(op_node_names(graph), assignment, n_stages)
+    stage_of = _initial_stages(op_node_names(graph), assignment, n_stages, data_stage)
     norm = _Normalizer(program, stage_of, data_stage)
     wave = norm.run()
     segments, segment_of, readers, values = _segments(norm, wave)

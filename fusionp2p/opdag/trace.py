@@ -1,7 +1,10 @@
 """OP-DAGs of real models: ``torch.export`` a module, annotate each aten op with FLOPs and bytes.
 
 Parameters reach the graph as placeholders; each is counted once, at its first user, and
-every other user lists it in ``tied`` (GPT-2's embedding = LM head). Module paths come
+every other user lists it in ``tied`` (GPT-2's embedding = LM head). The nodes that run
+with the data owner whatever the plan are ``pinned`` (``split.data_owner_nodes``), and a
+last node, the loss (``LOSS_ID``), reads the graph's outputs: so a planner sees the data
+owner's part of the model and the links to and from it. Module paths come
 from ``nn_module_stack``. ``coarsen`` groups consecutive ops of one submodule (at a given
 depth of the module path) into one node with exact FLOP and byte sums, so the planner
 works on tens to hundreds of nodes. Framework types stay in this file: the result is a
@@ -18,9 +21,9 @@ from typing import Any
 import torch
 
 from fusionp2p.opdag.families import ModelRegistry
-from fusionp2p.opdag.ir import OpDag, OpNode
+from fusionp2p.opdag.ir import LOSS_ID, OpDag, OpNode
 from fusionp2p.opdag.spec import build_model, example_input, resolve_spec
-from fusionp2p.opdag.split import graph_fingerprint
+from fusionp2p.opdag.split import data_owner_nodes, graph_fingerprint
 from fusionp2p.records import ModelSpec
 
 __all__ = ["TracedModel", "coarsen", "trace_module", "trace_spec"]
@@ -108,6 +111,24 @@ def _module_path(node: torch.fx.Node, strip: str) -> str:
     return path[len(strip) :] if strip and path.startswith(strip) else path
 
 
+def _loss_node(graph: torch.fx.Graph) -> OpNode:
+    """The data owner's loss over the graph's outputs: a softmax and its gradient, about
+    4 and 2 operations per output element, keeping the probabilities for backward."""
+    (out,) = (n for n in graph.nodes if n.op == "output")
+    reads = [a for a in out.all_input_nodes if a.op == "call_function"]
+    numel = sum(t.numel() for a in reads for t in _vals(a.meta.get("val")))
+    nbytes = sum(t.numel() * t.element_size() for a in reads for t in _vals(a.meta.get("val")))
+    return OpNode(
+        LOSS_ID,
+        "loss",
+        tuple(dict.fromkeys(a.name for a in reads)),
+        fwd_flops=4.0 * numel,
+        bwd_flops=2.0 * numel,
+        saved_bytes=nbytes,
+        pinned=True,
+    )
+
+
 def trace_module(
     module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], *, name: str = "", strip_prefix: str = ""
 ) -> TracedModel:
@@ -126,6 +147,7 @@ def trace_module(
             if isinstance(tensor, torch.Tensor):
                 params[spec.arg.name] = (spec.target, tensor.numel() * tensor.element_size())
     seen_params: set[str] = set()
+    pinned = data_owner_nodes(program)
     nodes: list[OpNode] = []
     for node in program.graph.nodes:
         if node.op != "call_function":
@@ -158,8 +180,10 @@ def trace_module(
                 output_shapes=tuple(tuple(int(d) for d in t.shape) for t in outputs),
                 output_dtypes=tuple(str(t.dtype).removeprefix("torch.") for t in outputs),
                 tied=tuple(dict.fromkeys(tied)),
+                pinned=node.name in pinned,
             )
         )
+    nodes.append(_loss_node(program.graph))
     # the name carries the graph's own fingerprint, so OpDag.fingerprint tells graphs apart
     label = f"{name or type(module).__name__}@{graph_fingerprint(program.graph)}"
     return TracedModel(program, OpDag(tuple(nodes), name=label))
@@ -200,6 +224,8 @@ def coarsen(dag: OpDag, depth: int) -> OpDag:
     """
 
     def key(node: OpNode) -> str:
+        if node.id == LOSS_ID:
+            return LOSS_ID  # the loss stays a node of its own, with its id
         return ".".join(node.module_path.split(".")[:depth]) if node.module_path else ""
 
     runs: list[list[OpNode]] = []
@@ -232,6 +258,7 @@ def coarsen(dag: OpDag, depth: int) -> OpDag:
                 saved_bytes=sum(n.saved_bytes for n in run),
                 module_path=key(run[0]),
                 tied=tuple(dict.fromkeys(t for n in run for t in n.tied)),
+                pinned=any(n.pinned for n in run),
             )
         )
     return OpDag(tuple(coarse), name=f"{dag.name}@depth{depth}")

@@ -10,6 +10,7 @@
 - ``cluster.py``: Leiden/Louvain clusters on the bandwidth graph.
 - ``opfence.py``: OP-Fence (§4).
 - ``baselines.py``: equal-number and equal-computation partitions.
+- ``owner.py``: the data owner's part of a plan (pinned head and tail, strays).
 - ``methods.py``: a plan by a method's name (OP-Fence or a baseline), ``plan_job``.
 - ``schedule.py``: the runtime's 1F1B schedule played out, what a plan's estimate reports.
 - ``fit.py``: why a model fits in no split (the message a refused job gets).

@@ -12,10 +12,15 @@ last is still in flight (issue 39: pricing ``alpha`` as busy time made a 40 ms p
 2-12x its latency at 1-16 micro-batches). With ``L`` the forward plus backward critical
 path and ``B`` the busiest resource:
 
-    sequential (one micro-batch at a time):  n_b * L
-    pipelined  (n_b micro-batches in flight): L + (n_b - 1) * B
+    sequential (one micro-batch at a time):  n_b * L + C
+    pipelined  (n_b micro-batches in flight): L + (n_b - 1) * B + C
     scheduled  (what a step is expected to take): the runtime's 1F1B schedule played out
-               over these resources (``planning.schedule``)
+               over these resources (``planning.schedule``), + C
+
+``C`` is the step's control round trip: when the OP-DAG ends in the data owner's loss (a
+pinned last node, ``planning.owner``), the peer that runs it sends every other peer of
+the plan the optimizer step once its last backward is done and waits for each reply, one
+round trip to the farthest of them per iteration.
 
 Plans are chosen by the pipelined form (``iteration_s``: the paper's, cheap and in closed
 form, which the exact solver vectorizes); a plan's reported estimate is the scheduled one
@@ -50,6 +55,7 @@ __all__ = [
     "estimate",
     "estimate_segments",
     "shared_bandwidth",
+    "step_round_trip",
 ]
 
 
@@ -100,6 +106,7 @@ class Estimate:
     links: tuple[LinkEstimate, ...]
     memory_bytes: tuple[float, ...]  # per stage
     fits: bool  # every peer's stages fit its memory
+    control_s: float = 0.0  # per iteration: the data owner's step round trip to its farthest peer
     play: Callable[[], float] | None = field(default=None, repr=False, compare=False)  # -> scheduled_s
 
     @property
@@ -112,7 +119,7 @@ class Estimate:
     def scheduled_s(self) -> float:
         """The runtime's 1F1B schedule played out (``planning.schedule``); run on first
         use, since planners' searches make many estimates and rank by ``iteration_s``."""
-        return self.play() if self.play is not None else self.pipelined_s
+        return self.play() + self.control_s if self.play is not None else self.pipelined_s
 
     @property
     def expected_s(self) -> float:
@@ -168,6 +175,20 @@ def shared_bandwidth(topo: Topology, links: Sequence[tuple[int, int]]) -> np.nda
         ],
         dtype=float,
     )
+
+
+def step_round_trip(dag: OpDag, topo: Topology, stages: Sequence[Stage]) -> float:
+    """The step's control round trip (the module's ``C``): from the peer that runs the
+    data owner's loss (a pinned last node) to the farthest other peer of ``stages`` and
+    back; 0 when the OP-DAG does not end in one."""
+    last = len(dag) - 1
+    if not dag.nodes[last].pinned:
+        return 0.0
+    owner = next((s.peer for s in stages if last in s.nodes), None)
+    others = {s.peer for s in stages} - {owner}
+    if owner is None or not others:
+        return 0.0
+    return max(float(topo.latency[owner, p] + topo.latency[p, owner]) for p in others)
 
 
 def estimate(
@@ -280,6 +301,7 @@ def estimate(
     bottleneck = max(busy.values())
 
     in_flight = stage_in_flight(n_b, peers)
+    control = step_round_trip(dag, topo, stages)
     memory = [
         cost.param_multiplier * sum(dag.nodes[i].param_bytes for i in s.nodes)
         + held * sum(dag.nodes[i].saved_bytes for i in s.nodes)
@@ -310,8 +332,8 @@ def estimate(
         return simulate((fwd + coding).tolist(), bwd.tolist(), peers, hops, n_b, in_flight)
 
     return Estimate(
-        sequential_s=n_b * critical,
-        pipelined_s=critical + (n_b - 1) * bottleneck,
+        sequential_s=n_b * critical + control,
+        pipelined_s=critical + (n_b - 1) * bottleneck + control,
         bottleneck_s=float(bottleneck),
         critical_path_s=critical,
         compute_s=tuple((fwd + bwd).tolist()),
@@ -319,6 +341,7 @@ def estimate(
         links=tuple(links),
         memory_bytes=tuple(float(m) for m in memory),
         fits=fits,
+        control_s=control,
         play=play,
     )
 

@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from fusionp2p.opdag.ir import OpDag
 from fusionp2p.planning.cost import CostConfig
 from fusionp2p.planning.estimate import Estimate, Stage, estimate
+from fusionp2p.planning.owner import OwnerFrame
 from fusionp2p.planning.topology import Topology
 
 __all__ = ["improve"]
@@ -37,7 +38,9 @@ def _stages(layout: Layout) -> list[Stage]:
 
 def _layout(stages: Sequence[Stage]) -> Layout | None:
     """Bounds and peers of contiguous stages in order, or None when they are not."""
-    bounds = [0]
+    if not stages or not stages[0].nodes:
+        return None
+    bounds = [stages[0].nodes[0]]
     for s in stages:
         if (
             not s.nodes
@@ -54,7 +57,7 @@ def _moves(layout: Layout, candidates: Sequence[int]) -> Iterator[Layout]:
     n_stages = len(peers)
     for i in range(1, n_stages):  # boundary between stage i-1 and stage i
         step = 1
-        while step < bounds[-1]:
+        while step < bounds[-1] - bounds[0]:
             for b in (bounds[i] - step, bounds[i] + step):
                 if bounds[i - 1] < b < bounds[i + 1]:
                     yield (*bounds[:i], b, *bounds[i + 1 :]), peers
@@ -88,13 +91,20 @@ def improve(
     *,
     max_estimates: int = 400,
     max_unused: int = 8,
+    frame: OwnerFrame | None = None,
 ) -> tuple[Estimate, list[Stage]]:
     """The plan after first-improvement local search from ``stages`` (contiguous, in
     order) over moves that use peers of the plan and up to ``max_unused`` of
     ``candidates`` (fastest first); at most ``max_estimates`` estimates. Stages that are
-    not contiguous are returned as they are."""
+    not contiguous are returned as they are. With ``frame`` the stages are framed by the
+    data owner's (``owner.OwnerPart.frame``): the moves are the middle's, and every
+    estimate is of the framed plan."""
+
+    def framed(middle: Sequence[Stage]) -> list[Stage]:
+        return frame.frame(middle) if frame is not None else list(middle)
+
     best_est = estimate(dag, topo, list(stages), cost)
-    layout = _layout(stages)
+    layout = _layout(frame.part.middle(stages) if frame is not None else stages)
     if layout is None:
         return best_est, list(stages)
     spare = sorted((p for p in candidates if p not in layout[1]), key=lambda p: (-topo.speed[p], p))
@@ -107,8 +117,8 @@ def improve(
             if budget <= 0:
                 break
             budget -= 1
-            est = estimate(dag, topo, _stages(move), cost)
+            est = estimate(dag, topo, framed(_stages(move)), cost)
             if est.iteration_s < best_est.iteration_s * (1 - 1e-9):
                 best_est, layout, improved = est, move, True
                 break
-    return best_est, _stages(layout)
+    return best_est, framed(_stages(layout))

@@ -1,7 +1,9 @@
 """A plan by a method's name: OP-Fence, or a FusionLLM baseline (``records.PLAN_METHODS``).
 
-The data owner runs the job's inputs and its loss, outside the plan: a plan places the
-model over the other peers.
+The data owner is a peer of the plan: the part of the model that must run with it (its
+inputs, embeddings, loss: ``planning.owner``) is its stages, and the methods place the
+rest over the other peers, pricing the links to and from it. An OP-DAG without such a part
+(a hand-made one) is placed over the other peers only.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from fusionp2p.opdag.ir import OpDag
 from fusionp2p.planning.baselines import baseline_plan
 from fusionp2p.planning.cost import CostConfig
 from fusionp2p.planning.opfence import op_fence
+from fusionp2p.planning.owner import OwnerFrame, owner_part
 from fusionp2p.planning.plan import Plan
 from fusionp2p.planning.topology import PlanningError, Topology
 from fusionp2p.records import PLAN_METHODS
@@ -19,8 +22,9 @@ __all__ = ["PLAN_METHODS", "plan_job"]
 
 
 def plan_job(dag: OpDag, topo: Topology, data_owner: str, *, method: str, cost: CostConfig) -> Plan:
-    """A plan of ``dag`` over the peers of ``topo`` other than ``data_owner``: OP-Fence, or a
-    baseline with ``cost``'s compression (``"equal-number"``) or its own
+    """A plan of ``dag`` over the peers of ``topo``: the data owner's part pinned to
+    ``data_owner`` (which ``topo`` holds, with its links), the rest over the other peers
+    by OP-Fence, or a baseline with ``cost``'s compression (``"equal-number"``) or its own
     (``"equal-computation/adaptive"``, ...).
 
     Raises:
@@ -29,10 +33,14 @@ def plan_job(dag: OpDag, topo: Topology, data_owner: str, *, method: str, cost: 
     """
     if method not in PLAN_METHODS:
         raise ConfigError(f"plan method must be one of {list(PLAN_METHODS)}, got {method!r}")
-    peers = topo.without(data_owner)
-    if not len(peers):
+    if not len(topo.without(data_owner)):
         raise PlanningError("the swarm has no live peer besides this data owner to run the model on")
+    part = owner_part(dag)
+    if part is None or data_owner not in topo.peer_ids:
+        topo, frame = topo.without(data_owner), None
+    else:
+        frame = OwnerFrame(topo.peer_ids.index(data_owner), part)
     if method == "op-fence":
-        return op_fence(dag, peers, cost)
+        return op_fence(dag, topo, cost, frame=frame)
     name, _, kind = method.partition("/")
-    return baseline_plan(name, dag, peers, cost, kind or cost.compression.kind)  # type: ignore[arg-type]
+    return baseline_plan(name, dag, topo, cost, kind or cost.compression.kind, frame=frame)  # type: ignore[arg-type]

@@ -43,6 +43,7 @@ from fusionp2p.planning.cost import CostConfig
 from fusionp2p.planning.estimate import Estimate, Stage
 from fusionp2p.planning.fit import explain_no_fit
 from fusionp2p.planning.local_search import improve
+from fusionp2p.planning.owner import OwnerFrame
 from fusionp2p.planning.plan import Plan
 from fusionp2p.planning.sequence_search import search_sequence
 from fusionp2p.planning.topology import PlanningError, Topology
@@ -142,10 +143,24 @@ def _sequences(topo: Topology, ranked: list[list[int]], orders: list[tuple[int, 
 
 
 def _quick(
-    dag: OpDag, topo: Topology, cost: CostConfig, seq: Sequence[int], ch: ChainCosts, max_positions: int
+    dag: OpDag,
+    topo: Topology,
+    cost: CostConfig,
+    seq: Sequence[int],
+    ch: ChainCosts,
+    max_positions: int,
+    frame: OwnerFrame | None,
 ) -> tuple[Estimate, list[Stage]] | None:
     return search_sequence(
-        dag, topo, cost, seq, max_positions=max_positions, ch=ch, passes=1, cap_factors=(1.0, math.inf)
+        dag,
+        topo,
+        cost,
+        seq,
+        max_positions=max_positions,
+        ch=ch,
+        passes=1,
+        cap_factors=(1.0, math.inf),
+        frame=frame,
     )
 
 
@@ -157,6 +172,7 @@ def _best_of_orders(
     ch: ChainCosts,
     max_positions: int,
     refine: int,
+    frame: OwnerFrame | None,
 ) -> tuple[Estimate, list[Stage]] | None:
     """The best plan over every cluster order and intra-cluster arrangement of ``ranked``
     (each cluster's candidates); ``None`` when none fits in memory."""
@@ -166,12 +182,12 @@ def _best_of_orders(
         seen = {tuple(s) for s in seqs}
         seqs += [list(p) for p in itertools.permutations(few) if p not in seen]
     if len(seqs) > refine:  # many candidates: a quick single pass picks the ones worth refining
-        quick = [_quick(dag, topo, cost, s, ch, max_positions) for s in seqs]
+        quick = [_quick(dag, topo, cost, s, ch, max_positions, frame) for s in seqs]
         score = [q[0].iteration_s if q else math.inf for q in quick]
         seqs = [seqs[i] for i in np.argsort(score, kind="stable")[:refine] if math.isfinite(score[i])]
     best: tuple[Estimate, list[Stage]] | None = None
     for seq in seqs:
-        found = search_sequence(dag, topo, cost, seq, max_positions=max_positions, ch=ch)
+        found = search_sequence(dag, topo, cost, seq, max_positions=max_positions, ch=ch, frame=frame)
         if found and (best is None or found[0].iteration_s < best[0].iteration_s):
             best = found
     return best if best is not None and math.isfinite(best[0].iteration_s) else None
@@ -204,41 +220,44 @@ def op_fence(
     max_positions: int = 64,
     refine: int = 4,
     local_search: bool = True,
+    frame: OwnerFrame | None = None,
 ) -> Plan:
     """Plans ``dag`` on ``topo`` with OP-Fence (and, unless ``local_search`` is off, a
-    local search from its plan: ``planning.local_search``).
+    local search from its plan: ``planning.local_search``); with ``frame``, around the data
+    owner's part (``planning.owner``), the other peers placing the rest.
 
     Raises:
         PlanningError: no combination of peers has the memory for the model.
     """
     clusters = cluster_peers(topo, clustering, seed)
-    searched = _strongest(topo, clusters, max_candidates)
+    placeable = [c for c in ([p for p in c if frame is None or p != frame.owner] for c in clusters) if c]
+    searched = _strongest(topo, placeable, max_candidates)
     per_cluster = max(1, min(len(dag), max_candidates // len(searched)))
     ch = ChainCosts(dag, topo, cost)
     ranked = [_candidates(topo, c, per_cluster) for c in searched]
-    best = _best_of_orders(dag, topo, cost, ranked, ch, max_positions, refine)
+    best = _best_of_orders(dag, topo, cost, ranked, ch, max_positions, refine, frame)
     candidates = sorted({p for r in ranked for p in r})
     if best is None:  # memory-tight: the peers with the most memory, still cluster by cluster
-        roomy = [sorted(c, key=lambda p: (-topo.memory[p], -topo.speed[p], p)) for c in clusters]
+        roomy = [sorted(c, key=lambda p: (-topo.memory[p], -topo.speed[p], p)) for c in placeable]
         ranked = [c[:per_cluster] for c in roomy]
-        best = _best_of_orders(dag, topo, cost, ranked, ch, max_positions, refine)
+        best = _best_of_orders(dag, topo, cost, ranked, ch, max_positions, refine, frame)
         candidates = sorted({p for r in ranked for p in r})
     if best is None or _EVERY_ORDER < len(candidates) <= _SEEDED_ORDERS:
         # which peer takes which piece matters more than speed when memory is tight: more orders
         enough = 8 * refine if best is None else math.inf
         fitting = []
         for seq in _memory_orders(topo, candidates, seed):
-            found = _quick(dag, topo, cost, seq, ch, max_positions)
+            found = _quick(dag, topo, cost, seq, ch, max_positions, frame)
             if found and math.isfinite(found[0].iteration_s):
                 fitting.append((found[0].iteration_s, seq))
                 if len(fitting) >= enough:
                     break
         for _, seq in sorted(fitting, key=lambda f: f[0])[:refine]:
-            found = search_sequence(dag, topo, cost, seq, max_positions=max_positions, ch=ch)
+            found = search_sequence(dag, topo, cost, seq, max_positions=max_positions, ch=ch, frame=frame)
             if found and (best is None or found[0].iteration_s < best[0].iteration_s):
                 best = found
     if best is None or not math.isfinite(best[0].iteration_s):
         raise PlanningError(f"the model does not fit: {explain_no_fit(dag, topo, cost, candidates)}")
     if local_search:
-        best = improve(dag, topo, cost, best[1], candidates)
+        best = improve(dag, topo, cost, best[1], candidates, frame=frame)
     return Plan.build("op-fence", dag, topo, best[1], cost, best[0], clusters=clusters)

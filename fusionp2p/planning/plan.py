@@ -187,8 +187,8 @@ class Plan(Estimated):
             raise PlanningError(f"plan splits OP-DAG {first.dag}, this peer built {dag.fingerprint}")
         return [(by_stage[k].peer_id, expand_ranges(by_stage[k].node_ranges)) for k in range(first.n_stages)]
 
-    def describe(self, dag: OpDag) -> str:
-        """A human-readable table of stages and links."""
+    def describe(self, dag: OpDag, data_owner: str = "") -> str:
+        """A human-readable table of stages and links; ``data_owner``'s stages are marked."""
         est = self.estimate
         rows = [
             f"plan {self.method}: {len(self.stages)} stage(s), n_b={self.n_micro_batches}, "
@@ -200,10 +200,13 @@ class Plan(Estimated):
         for k, stage in enumerate(self.stages):
             ids = [dag.nodes[i].id for i in stage.nodes]
             span = ids[0] if len(ids) == 1 else f"{ids[0]} .. {ids[-1]} ({len(ids)})"
+            mark = "*" if data_owner and self.peer_ids[k] == data_owner else ""
             rows.append(
-                f"{k:>5} {self.peer_ids[k][-8:]:<10} {span[:28]:<28} {est.compute_s[k] * 1e3:>10.1f} "
+                f"{k:>5} {self.peer_ids[k][-8:] + mark:<10} {span[:28]:<28} {est.compute_s[k] * 1e3:>10.1f} "
                 f"{est.memory_bytes[k] / 2**30:>10.2f}"
             )
+        if data_owner in self.peer_ids:
+            rows.append("    * the data owner: its inputs, embeddings and loss, and its links to the peers")
         for lk in est.links:
             if lk.wire_bytes:
                 rows.append(

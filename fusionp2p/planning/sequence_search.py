@@ -6,6 +6,10 @@ the OP-DAG so it knows each stage's depth (the micro-batches it holds under 1F1B
 first finds the smallest possible bottleneck B*, then, for a few caps c >= B*, the
 smallest critical path with every resource under c; each result is estimated exactly
 and the best pipelined iteration time wins.
+
+With a data owner (``owner.OwnerFrame``) the sequence starts with a slot of the data
+owner's over its head and ends with one over its tail; the other slots place the middle.
+So the DP prices the links from and to the data owner like every other.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from fusionp2p.opdag.ir import OpDag
 from fusionp2p.planning.chain import ChainCosts
 from fusionp2p.planning.cost import CostConfig, planned_budgets, planned_ratios
 from fusionp2p.planning.estimate import Estimate, Stage, estimate
+from fusionp2p.planning.owner import OwnerFrame
 from fusionp2p.planning.topology import Topology
 
 __all__ = ["contiguous_stages", "search_sequence"]
@@ -115,6 +120,35 @@ def _dp_depths(
     return _dp(stage, link_fill, link_max, cap)
 
 
+def _framed(
+    frame: OwnerFrame | None, seq: Sequence[int], pos: np.ndarray, n: int
+) -> tuple[list[int], np.ndarray, slice]:
+    """The DP's slots (the data owner's head and tail around ``seq``), its cut positions
+    (with the head's and the tail's), and which slots are ``seq``'s."""
+    if frame is None:
+        return list(seq), pos, slice(0, len(seq))
+    part = frame.part
+    head, tail = [frame.owner] * (part.head > 0), [frame.owner] * (part.tail < n)
+    slots = [*head, *seq, *tail]
+    return slots, np.union1d(pos, [part.head, part.tail]), slice(len(head), len(head) + len(seq))
+
+
+def _pin(stage: np.ndarray, frame: OwnerFrame | None, pos: np.ndarray, inner: slice) -> np.ndarray:
+    """``stage`` with the data owner's slots over exactly its head and tail, and the
+    other slots inside the middle (inf elsewhere)."""
+    if frame is None:
+        return stage
+    part = frame.part
+    h, t = int(np.searchsorted(pos, part.head)), int(np.searchsorted(pos, part.tail))
+    out = np.full_like(stage, np.inf)
+    out[:, inner, h : t + 1, h : t + 1] = stage[:, inner, h : t + 1, h : t + 1]
+    if inner.start:  # the head's slot
+        out[:, 0, 0, h] = stage[:, 0, 0, h]
+    if inner.stop < stage.shape[1]:  # the tail's slot
+        out[:, -1, t, -1] = stage[:, -1, t, -1]
+    return out
+
+
 def _stage_depths(ch: ChainCosts, seq: Sequence[int], n_micro_batches: int, pos: np.ndarray) -> np.ndarray:
     """``[d, j, s, e]``: each slot's stage matrices holding 1, 2, ... micro-batches, up to
     the first depth from which memory no longer makes a difference."""
@@ -136,16 +170,18 @@ def search_sequence(
     ch: ChainCosts | None = None,
     passes: int = 2,
     cap_factors: Sequence[float] = _CAP_FACTORS,
+    frame: OwnerFrame | None = None,
 ) -> tuple[Estimate, list[Stage]] | None:
-    """The best contiguous plan over the peer sequence ``seq`` (peers may be skipped)."""
+    """The best contiguous plan over the peer sequence ``seq`` (peers may be skipped),
+    framed by the data owner's stages where ``frame`` gives them."""
     ch = ch or ChainCosts(dag, topo, cost)
-    pos = _positions(ch, max_positions)
+    seq, pos, inner = _framed(frame, seq, _positions(ch, max_positions), ch.n)
     policy = cost.compression
     best: tuple[Estimate, list[Stage]] | None = None
     t_ref: float | None = None
     budget: float | None = None
     fastest, n_links = 0.0, 1
-    stage = _stage_depths(ch, seq, cost.n_micro_batches, pos)
+    stage = _pin(_stage_depths(ch, seq, cost.n_micro_batches, pos), frame, pos, inner)
     m = len(seq)
     for _ in range(passes):  # later passes: adaptive reference and planned budget from the previous
         link_f = np.zeros((m, m, len(pos)))
@@ -154,7 +190,7 @@ def search_sequence(
         busy_b = np.zeros((m, m, len(pos)))
         for a, pa in enumerate(seq):
             for b, pb in enumerate(seq):
-                if a >= b:
+                if a >= b or pa == pb:  # the data owner's head and tail need no link
                     continue
                 if policy.kind == "none":
                     ratio: np.ndarray | float = 1.0
@@ -184,6 +220,14 @@ def search_sequence(
             if not triples:
                 continue
             stages = contiguous_stages([(seq[j], int(pos[s]), int(pos[e])) for j, s, e in triples])
+            if frame is not None:
+                stages = frame.frame(
+                    [
+                        st
+                        for st, (j, _, _) in zip(stages, triples, strict=True)
+                        if inner.start <= j < inner.stop
+                    ]
+                )
             est = estimate(dag, topo, stages, cost)
             if best is None or est.iteration_s < best[0].iteration_s:
                 best = (est, stages)

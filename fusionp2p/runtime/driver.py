@@ -26,6 +26,7 @@ from fusionp2p.errors import ConfigError, FusionP2PError, ProtocolError
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.transport import Transport
 from fusionp2p.opdag.families import ModelRegistry
+from fusionp2p.opdag.ir import LOSS_ID
 from fusionp2p.opdag.spec import resolve_spec
 from fusionp2p.opdag.split import Partition, balanced_assignment, op_node_names, partition
 from fusionp2p.opdag.trace import TracedModel, trace_spec
@@ -55,7 +56,8 @@ def _positions(traced: TracedModel, layout: RuntimeLayout) -> tuple[int, ...]:
     ops = op_node_names(traced.program.graph)
     given = layout.assignment
     if given is None:
-        return tuple(balanced_assignment([n.fwd_flops for n in traced.dag.nodes], len(layout.peers)))
+        flops = [n.fwd_flops for n in traced.dag.nodes if n.id != LOSS_ID]  # the loss is the data owner's
+        return tuple(balanced_assignment(flops, len(layout.peers)))
     if isinstance(given, Mapping):
         unknown, missing = set(given) - set(ops), [n for n in ops if n not in given]
         if unknown or missing:

@@ -59,7 +59,7 @@ class Pipeline:
         process's own stage included) on ``topology`` (``DataOwner.topology()``)."""
         part = self.driver.partition
         owners = [peer for peer, _ in self.driver.setups[0].peers]
-        segments = [(owners[seg.stage], seg.nodes) for seg in part.segments if seg.kind == "ops"]
+        segments = [(owners[seg.stage], seg.nodes) for seg in part.segments if seg.kind != "source"]
         ratios = {
             (owners[a], owners[b]): r for a, setup in enumerate(self.driver.setups) for b, r in setup.ratios
         }

@@ -68,7 +68,7 @@ def describe_submitted(submitted: SubmittedJob) -> str:
         f"{submitted.run_id} with {plan.method} over {len(topo) - 1} idle peer(s)",
         f"{len(clusters)} bandwidth cluster(s): {' | '.join(', '.join(c) for c in clusters)}",
     ]
-    return "\n".join([*head, plan.describe(submitted.traced.dag)])
+    return "\n".join([*head, plan.describe(submitted.traced.dag, submitted.data_owner)])
 
 
 _LM_NAMES = frozenset(f.name for f in LM_FAMILIES)  # built-in families that take token ids
