@@ -75,3 +75,19 @@ def test_latency_delays_each_transfer_without_occupying_its_link(
     occupied = [Hop(0, 1, 3.0, 3.0, ("a", "b"), ("b", "a"))]  # the old model: latency as busy time
     if n_micro_batches > 1:
         assert simulate([1.0, 1.0], [1.0, 1.0], peers, occupied, n_micro_batches, in_flight) > by_hand
+
+
+@pytest.mark.parametrize(("window", "by_hand"), [(1, 6.4), (2, 4.3), (64, 2.4)])
+def test_a_stream_keeps_at_most_its_window_of_transfers_unacknowledged(window: int, by_hand: float) -> None:
+    """No compute, 0.1 s on the link each way, 1 s one-way latency, 3 micro-batches. By
+    hand with a window of 1: m0 leaves [0, 0.1], arrives at 1.1, its ACK is back at 2.1,
+    so m1 leaves [2.1, 2.2] and m2 [4.2, 4.3]; the gradients go back the same way, each
+    after its own ACK: [1.1, 1.2] acknowledged at 3.2, [3.2, 3.3] at 5.3, then [5.3, 5.4]
+    arrives at 6.4. A window of 2 lets m1 follow m0 and makes only m2 wait for m0's ACK:
+    it leaves [2.1, 2.2] and arrives at 3.2, and its gradient leaves then, as gradient 0's
+    ACK is back (arrived at 2.2, back at 3.2): [3.2, 3.3], arriving at 4.3. The runtime's
+    64 never binds here: 0.3 s of sends, 1 s there, 0.1 s more of gradients, 1 s back."""
+    peers = ["a", "b"]
+    hops = [Hop(0, 1, 0.1, 0.1, ("a", "b"), ("b", "a"), 1.0, 1.0)]
+    got = simulate([0.0, 0.0], [0.0, 0.0], peers, hops, 3, [3, 3], window=window)
+    assert got == pytest.approx(by_hand)

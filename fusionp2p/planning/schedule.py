@@ -12,7 +12,9 @@ otherwise a backward goes before any forward, and arrival order decides. Each di
 link resource (``Topology.link_resource``) carries one transfer at a time, in arrival order,
 for the transfer's bytes over its bandwidth; the link's latency is not occupancy: a
 transfer arrives that long after it left the link, and the next one may already be on the
-wire (a windowed stream keeps several in flight). Pure: numbers in, seconds out.
+wire: a stream keeps up to ``window`` messages in flight (``records.limits.MAX_UNACKED``),
+so a transfer waits for the acknowledgement of the one ``window`` before it, which comes
+back one latency after that one arrived. Pure: numbers in, seconds out.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+
+from fusionp2p.records.limits import MAX_UNACKED
 
 __all__ = ["Hop", "simulate"]
 
@@ -41,8 +45,9 @@ class Hop:
     bwd_latency_s: float = 0.0
 
 
-# a stage's forward / backward; a hop's forward / gradient on its link, then arriving at its end
-_FWD, _BWD, _SEND, _RETURN, _SENT, _RETURNED = 0, 1, 2, 3, 4, 5
+# a stage's forward / backward; a hop's forward / gradient on its link, then arriving at its
+# end, then its acknowledgement back at the sender
+_FWD, _BWD, _SEND, _RETURN, _SENT, _RETURNED, _SENT_ACKED, _RETURNED_ACKED = range(8)
 
 
 def simulate(
@@ -52,9 +57,11 @@ def simulate(
     hops: Sequence[Hop],
     n_micro_batches: int,
     in_flight: Sequence[int],
+    window: int = MAX_UNACKED,
 ) -> float:
     """Seconds from the first forward to the last backward of ``n_micro_batches``, stage k
-    running on ``peers[k]`` for ``fwd_s[k]`` / ``bwd_s[k]`` per micro-batch."""
+    running on ``peers[k]`` for ``fwd_s[k]`` / ``bwd_s[k]`` per micro-batch, each remote
+    hop's stream keeping at most ``window`` transfers unacknowledged each way."""
     n = len(peers)
     into: list[list[int]] = [[] for _ in range(n)]  # hops whose activations stage k reads
     out: list[list[int]] = [[] for _ in range(n)]  # hops whose gradients stage k waits for
@@ -76,9 +83,10 @@ def simulate(
             gate = 1 if m >= in_flight[k] else 0
             waiting[_FWD, k, m] = len(into[k]) + gate
             waiting[_BWD, k, m] = 1 + len(out[k])
-        for h in range(len(hops)):
-            waiting[_SEND, h, m] = 1
-            waiting[_RETURN, h, m] = 1
+        for h, hop in enumerate(hops):
+            windowed = m >= window and hop.fwd_resource is not None  # a stream, not one peer
+            waiting[_SEND, h, m] = 1 + windowed
+            waiting[_RETURN, h, m] = 1 + windowed
     queues: dict[Hashable, list[tuple[int, float, int, int, int]]] = {}
     busy_until: dict[Hashable, float] = {}
     events: list[tuple[float, int, int, int]] = []  # (finish, kind, index, micro-batch)
@@ -125,6 +133,12 @@ def simulate(
             heapq.heappush(events, (now + hops[index].fwd_latency_s, _SENT, index, m))
         elif kind == _SENT:
             release((_FWD, hops[index].dst, m), now)
+            if hops[index].fwd_resource is not None and m + window < n_micro_batches:
+                heapq.heappush(events, (now + hops[index].bwd_latency_s, _SENT_ACKED, index, m))
+        elif kind == _SENT_ACKED:
+            release((_SEND, index, m + window), now)
+        elif kind == _RETURNED_ACKED:
+            release((_RETURN, index, m + window), now)
         elif kind == _BWD:
             for h in into[index]:
                 release((_RETURN, h, m), now)
@@ -132,8 +146,10 @@ def simulate(
                 release((_FWD, index, m + in_flight[index]), now, gate=True)
         elif kind == _RETURN:
             heapq.heappush(events, (now + hops[index].bwd_latency_s, _RETURNED, index, m))
-        else:
+        else:  # _RETURNED
             release((_BWD, hops[index].src, m), now)
+            if hops[index].fwd_resource is not None and m + window < n_micro_batches:
+                heapq.heappush(events, (now + hops[index].fwd_latency_s, _RETURNED_ACKED, index, m))
         start_free(now)
     unfinished = [task for task, left in waiting.items() if left > 0]
     if unfinished:

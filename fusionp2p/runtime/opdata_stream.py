@@ -27,6 +27,7 @@ from fusionp2p.errors import DeadlineError, FusionP2PError, PeerUnreachableError
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.transport import FrameStream, Transport
 from fusionp2p.records import CONTROL_REPLY_BYTES, CREDIT, EXEC_PROTOCOL, message_prefix
+from fusionp2p.records.limits import MAX_UNACKED
 from fusionp2p.runtime.executor import Message
 
 __all__ = ["INITIAL_CREDIT", "OpDataSender"]
@@ -48,7 +49,7 @@ class OpDataSender:
         timeout: float,
         on_done: Callable[[int], Awaitable[None]],
         on_error: Callable[[str], Awaitable[None]],
-        max_unacked: int = 64,
+        max_unacked: int = MAX_UNACKED,
         reopen_after: float = 10.0,
     ) -> None:
         self.transport = transport
