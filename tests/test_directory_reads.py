@@ -170,24 +170,26 @@ def _swarm_values(n: int) -> tuple[SwarmDirectory, dict[str, dict[bytes, bytes]]
 def test_a_view_reads_only_what_fell_due_and_says_what_it_lacks() -> None:
     _, values, peers = _swarm_values(100)
     dht = _FakeDHT(values)
-    view = DirectoryView(_directory(dht), links_max_age=0.3, max_link_reads=60)
+    now = [0.0]  # the view's clock: a busy machine must not age the links between refreshes
+    view = DirectoryView(_directory(dht), links_max_age=0.3, max_link_reads=60, clock=lambda: now[0])
 
     async def scenario() -> None:
         first = await view.refresh()
         assert (first.peers, first.link_reads, first.without_links, first.complete) == (100, 60, 40, False)
+        now[0] += 0.1
         second = await view.refresh()
         assert (second.link_reads, second.without_links, second.complete) == (40, 0, True)
         assert len(view.links()) == 100
         dht.gets.clear()
         third = await view.refresh()  # nothing fell due: the shards only
         assert third.link_reads == 0 and all(".links." not in key for key in dht.gets)
-        await asyncio.sleep(0.35)
+        now[0] += 0.35
         assert (await view.refresh()).link_reads == 60  # stalest first, bounded per refresh
         gone = peers[0].peer_id
         del values[_directory(dht).peer_key(gone)][gone.encode()]
         dht.stuck.add(_directory(dht).links_key(peers[1].peer_id))
         view.max_link_reads = 200
-        await asyncio.sleep(0.35)  # every source due
+        now[0] += 0.35  # every source due
         unread = Unread()
         fifth = await view.refresh(unread)
         assert fifth.peers == 99 and gone not in view.peers()

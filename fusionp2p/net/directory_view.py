@@ -15,6 +15,7 @@ many keys could not be read (``Unread``), and how old the oldest read is.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fusionp2p.net.directory import SwarmDirectory, Unread
@@ -51,9 +52,15 @@ class DirectoryView:
     """The swarm's peers and their links as last read from ``directory`` (see the module)."""
 
     def __init__(
-        self, directory: SwarmDirectory, *, links_max_age: float = 60.0, max_link_reads: int = 1024
+        self,
+        directory: SwarmDirectory,
+        *,
+        links_max_age: float = 60.0,
+        max_link_reads: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.directory = directory
+        self.clock = clock  # what ages the links read (seconds)
         self.links_max_age = links_max_age
         self.max_link_reads = max_link_reads
         self._peers: dict[str, PeerRecord] = {}
@@ -63,14 +70,14 @@ class DirectoryView:
         """Reads the peers and the links that fell due; a key that could not be read goes
         to ``unread`` (or, without one, the refresh raises ``IncompleteReadError``) and its
         cached contents, if any, stay in the view."""
-        start = time.monotonic()
+        start = self.clock()
         missing = Unread()
         live = await self.directory.fetch_peers(unread=missing)
         if missing.keys:  # a shard could not be read: keep its peers as they were
             live = {**{p: r for p, r in self._peers.items() if p not in live}, **live}
         self._peers = live
         self._sources = {src: cached for src, cached in self._sources.items() if src in live}
-        now = time.monotonic()
+        now = self.clock()
         due = sorted(
             (
                 p
@@ -80,7 +87,7 @@ class DirectoryView:
             key=lambda p: self._sources[p].read_at if p in self._sources else float("-inf"),
         )[: self.max_link_reads]
         read = await self.directory.fetch_links_by_source(due, unread=missing)
-        now = time.monotonic()
+        now = self.clock()
         for src, links in read.items():
             self._sources[src] = _Source(links, now)
         missing.check(unread)
