@@ -294,7 +294,7 @@ class Peer:
             try:
                 await self._publish_self()
                 await self._publish_links()
-            except (FusionP2PError, asyncio.TimeoutError, OSError) as e:
+            except (TimeoutError, FusionP2PError, OSError) as e:
                 logger.warning("heartbeat failed, will retry: %s", e)
 
     async def _probe_loop(self) -> None:
@@ -302,7 +302,7 @@ class Peer:
         while True:
             try:
                 await self._probe_round()
-            except (FusionP2PError, asyncio.TimeoutError, OSError) as e:
+            except (TimeoutError, FusionP2PError, OSError) as e:
                 logger.warning("probe round failed, will retry: %s", e)
             await asyncio.sleep(self.estimator.probe_interval(busy=self._busy))
 

@@ -30,11 +30,10 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 __all__ = ["Cluster", "TestbedTopology", "TopologyError", "WanLink", "load_topology"]
 

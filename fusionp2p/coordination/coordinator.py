@@ -127,7 +127,7 @@ class Coordinator:
             try:
                 await asyncio.to_thread(warm_up)  # the lease holder traces requests: its fork server, once
                 await self.view.refresh(Unread())
-            except (FusionP2PError, asyncio.TimeoutError, OSError) as e:
+            except (TimeoutError, FusionP2PError, OSError) as e:
                 logger.warning("refreshing the coordinator's view failed, will retry: %s", e)
 
     async def _serve(self, stream: FrameStream) -> None:

@@ -243,7 +243,7 @@ class LeaseKeeper:
             began = loop.time()
             try:
                 await self.step()
-            except (FusionP2PError, asyncio.TimeoutError, OSError) as e:
+            except (TimeoutError, FusionP2PError, OSError) as e:
                 logger.warning("coordinator lease round failed, will retry: %s", e)
             except Exception:
                 logger.exception("coordinator lease round crashed; the next round runs as usual")

@@ -212,7 +212,7 @@ class SwarmDirectory:
                     future = self.dht.get(key, latest=True, return_future=True)
                     found = await asyncio.wait_for(future, self.timeout)
                 break
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 logger.warning(
                     "DHT get of %s passed its %g s deadline (try %d)", key, self.timeout, attempt + 1
                 )

@@ -332,7 +332,7 @@ class PipelineDriver:
             try:
                 await asyncio.wait_for(client.request(ping), timeout)
                 return True
-            except (FusionP2PError, asyncio.TimeoutError) as e:
+            except (TimeoutError, FusionP2PError) as e:
                 logger.info("job %s: stage owner %s does not answer: %s", self.job, peer_id[-8:], e)
                 return False
             finally:

@@ -339,7 +339,7 @@ class ExecutorService:
             if self._plan_check is not None:
                 try:
                     await asyncio.wait_for(self._plan_check(setup, remote), self.policy.timeout)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise ProtocolError(
                         f"job {name}: its plan could not be read from the DHT in time"
                     ) from None

@@ -34,7 +34,7 @@ Tensors = Mapping[str, torch.Tensor]
 async def _within(coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:
     try:
         return await asyncio.wait_for(coro, timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise DeadlineError(f"{what} did not finish within {timeout:.1f} s") from None
 
 
