@@ -1,14 +1,14 @@
 # Two commands do all the set-up themselves on a fresh machine (Python 3.11, CPU only):
 #   make demo   a local swarm of 4 peers elects a coordinator, which plans a small GPT that the
 #               data owner then trains on the Python stdlib's source (make demo-digits: a CNN)
-#   make test   lint + the whole test suite
+#   make test   lint + the whole test suite (make test-fast: the tests that start no process)
 # The venv is built on first use; constraints.txt keeps pip on the CPU build of torch.
 
 PYTHON ?= python3
 VENV ?= .venv
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo demo-digits test lint clean bench-wan
+.PHONY: demo demo-digits test test-fast lint clean bench-wan
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,9 @@ lint: $(STAMP)
 
 test: lint
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
+
+test-fast: $(STAMP)  # a few minutes: everything but the tests that start peers or swarms
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not swarm"
 
 clean:
 	rm -rf $(VENV) *.egg-info

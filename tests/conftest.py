@@ -10,6 +10,32 @@ from collections.abc import Callable, Iterator
 import psutil
 import pytest
 
+# files whose tests start peers, swarms or other processes (most of the suite's minutes):
+# `make test-fast` leaves them out (pytest -m "not swarm"); `make test` runs everything
+SWARM_MODULES = frozenset(
+    {
+        "test_coordinator.py",
+        "test_demo_digits.py",
+        "test_fault_tolerance.py",
+        "test_flow_control.py",
+        "test_lying_coordinator.py",
+        "test_newcomer.py",
+        "test_plan_pipeline.py",
+        "test_probe_latency.py",
+        "test_remote_autodiff.py",
+        "test_security.py",
+        "test_swarm_integration.py",
+        "test_testbed.py",
+        "test_wheel.py",
+    }
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in SWARM_MODULES:
+            item.add_marker(pytest.mark.swarm)
+
 
 def wait_until(
     condition: Callable[[], object], timeout: float, interval: float = 0.5, message: str = "condition"

@@ -34,7 +34,10 @@ def wait_group_gone(pgid: int, timeout: float = 10.0) -> list[int]:
 
 
 def run_grouped(
-    command: Sequence[str], timeout: float, env: Mapping[str, str] | None = None
+    command: Sequence[str],
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
 ) -> tuple[subprocess.CompletedProcess[str], list[int]]:
     """Runs ``command`` to completion as the leader of a new process group; its result and
     the processes of that group left running once it exited (its DHT daemon, say)."""
@@ -45,6 +48,7 @@ def run_grouped(
         text=True,
         start_new_session=True,
         env=None if env is None else dict(env),
+        cwd=cwd,
     )
     try:
         out, err = proc.communicate(timeout=timeout)

@@ -2,32 +2,25 @@
 
 from __future__ import annotations
 
+import importlib.resources
 import math
 from typing import Any
 
 import torch
 
-__all__ = ["topk_cuda"]
+__all__ = ["cuda_source", "topk_cuda"]
 
-_SOURCE = r"""
-extern "C" __global__
-void select_above(const float* __restrict__ x, const long long n, const float threshold,
-                  long long* __restrict__ out, unsigned long long* __restrict__ count,
-                  const long long capacity) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long stride = (long long)blockDim.x * gridDim.x;
-    for (; i < n; i += stride) {
-        if (fabsf(x[i]) >= threshold) {
-            unsigned long long slot = atomicAdd(count, 1ULL);
-            if (slot < (unsigned long long)capacity) out[slot] = i;
-        }
-    }
-}
-"""
 _SAMPLE = 100_000
 _SLACK = 1.5
 _THREADS = 256
 _kernel: Any = None
+SOURCES = "cuda_sources"  # the repository's kernels/, shipped in the wheel under this name
+
+
+def cuda_source(name: str) -> str:
+    """The text of the CUDA source ``name`` (``kernels/`` at the top of the repository, as
+    package data ``fusionp2p/cuda_sources`` in an installed wheel)."""
+    return importlib.resources.files("fusionp2p").joinpath(SOURCES, name).read_text()
 
 
 def _cupy() -> Any:
@@ -43,7 +36,8 @@ def _cupy() -> Any:
 def _select_kernel() -> Any:
     global _kernel
     if _kernel is None:
-        _kernel = _cupy().RawKernel(_SOURCE, "select_above")
+        module = _cupy().RawModule(code=cuda_source("select_above.cu"))
+        _kernel = module.get_function("select_above")
     return _kernel
 
 
