@@ -1,6 +1,6 @@
-"""The package as a user installs it: a wheel built from pyproject.toml, installed (not
-editable) away from the clone, runs the CLI and a tiny local job; the sdist builds; the
-code parses on the oldest Python that pyproject.toml declares (issue 34)."""
+"""The package as a user installs it: the sdist builds, a wheel built from it installs (not
+editable) away from the clone and runs the CLI and a tiny local job, and the code parses on
+the oldest Python that pyproject.toml declares (issue 34)."""
 
 from __future__ import annotations
 
@@ -43,11 +43,20 @@ def _run(*args: str | Path, cwd: Path, env: dict[str, str] | None = None) -> str
     return done.stdout
 
 
-def test_the_wheel_installs_and_runs_away_from_the_clone(tmp_path: Path) -> None:
+def _sdist(out: Path) -> Path:
+    """The sdist of the clone, built into ``out`` (nothing is built inside the clone)."""
+    build = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
+    name = _run(sys.executable, "-c", build, out, cwd=ROOT).strip().splitlines()[-1]
+    assert name.startswith("fusionp2p-") and (out / name).is_file()
+    return out / name
+
+
+def test_a_wheel_built_from_the_sdist_installs_and_runs_away_from_the_clone(tmp_path: Path) -> None:
     wheels, site, away = tmp_path / "wheels", tmp_path / "site", tmp_path / "elsewhere"
     away.mkdir()
+    sdist = _sdist(tmp_path)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
-    _run(*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", wheels, ROOT, cwd=away)
+    _run(*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", wheels, sdist, cwd=away)
     (wheel,) = wheels.glob("fusionp2p-*.whl")
     shipped = set(zipfile.ZipFile(wheel).namelist())
     packages = {p.relative_to(ROOT).as_posix() for p in (ROOT / "fusionp2p").rglob("__init__.py")}
@@ -85,12 +94,6 @@ def test_the_cuda_sources_live_in_kernels_and_never_shadow_the_hubs_kernels_pack
     )
     found = _run(sys.executable, "-c", probe, cwd=ROOT).split()  # the clone is on sys.path here
     assert not any(Path(p).is_relative_to(ROOT / "kernels") for p in found), found
-
-
-def test_the_sdist_builds(tmp_path: Path) -> None:
-    build = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
-    name = _run(sys.executable, "-c", build, tmp_path, cwd=ROOT).strip().splitlines()[-1]
-    assert name.startswith("fusionp2p-") and (tmp_path / name).is_file()
 
 
 def test_the_code_parses_on_the_oldest_python_it_declares() -> None:
