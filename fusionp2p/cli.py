@@ -124,7 +124,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     peer.add_argument(
         "--ready-file", metavar="PATH", help="write {peer_id, multiaddrs, pid} as JSON here once joined"
     )
-    jobs = peer.add_argument_group("what this peer runs for others (docs/SECURITY.md)")
+    jobs = peer.add_argument_group("what this peer runs for others (docs/security.md)")
     jobs.add_argument(
         "--allow-model",
         action="append",

@@ -2,7 +2,7 @@
 
 Two identities live here: the owner (a data owner running a legitimate job) and a
 stranger who can reach the peers but was never given anything. The stranger tries what
-docs/SECURITY.md says must fail: run code, take over or disturb a running job, make a
+docs/security.md says must fail: run code, take over or disturb a running job, make a
 peer allocate what it cannot hold, crash it with malformed input.
 """
 
