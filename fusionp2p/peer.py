@@ -30,6 +30,7 @@ from fusionp2p.coordination.plan_check import check_planned_setup
 from fusionp2p.errors import FusionP2PError, ProtocolError
 from fusionp2p.net.dht_node import start_dht, stop_dht
 from fusionp2p.net.directory import SwarmDirectory, Unread
+from fusionp2p.net.dropped_streams import quiet_dropped_streams
 from fusionp2p.net.identity import ensure_identity, load_signing_key
 from fusionp2p.net.limits import StreamGate
 from fusionp2p.net.probe import HINT_SOURCES, LinkEstimator, hints_from, probe_link, serve_probe
@@ -105,6 +106,7 @@ class Peer:
             ensure_identity(identity_path)
             signing_key = load_signing_key(identity_path)
             device = resolve_device(config.device)
+            logger.info("stages compute on %s (--device %s)", device, config.device)
             profile = await asyncio.to_thread(
                 profile_device, device, flops_override=config.flops_override, speed=config.emulated_speed
             )
@@ -121,6 +123,7 @@ class Peer:
                 shutil.rmtree(tmpdir, ignore_errors=True)
             raise
         try:
+            quiet_dropped_streams()
             transport: Transport = P2PTransport(await dht.replicate_p2p())
             if config.upload_limit_mbps is not None:
                 transport = RateLimitedTransport(transport, config.upload_limit_mbps * 1e6 / 8)

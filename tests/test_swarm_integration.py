@@ -66,6 +66,8 @@ def test_every_peer_sees_all_peer_and_link_records(local: LocalSwarm) -> None:
         assert all(r.fp32_flops > 0 and r.total_memory_bytes > 0 and r.state == "idle" for r in records)
         assert {(lk.src, lk.dst) for lk in pairs} == {(a, b) for a in ids for b in ids if a != b}
         assert all(lk.bandwidth_bytes_per_s > 0 and lk.rtt_s > 0 for lk in pairs)
+    for peer in local.peers[:4]:  # probes and reads open and drop many streams: none is an error
+        assert "Unhandled exception" not in peer.log() and "Traceback" not in peer.log(), peer.log()[-3000:]
 
 
 def test_rate_limited_peer_is_published_within_20_percent_of_its_rate(client: Swarm, local) -> None:

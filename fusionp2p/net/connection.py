@@ -24,6 +24,7 @@ from fusionp2p.config import DEFAULT_SWARM, DEFAULT_TIMEOUTS, check_peer_maddr, 
 from fusionp2p.errors import SwarmError
 from fusionp2p.net.dht_node import start_dht, stop_dht
 from fusionp2p.net.directory import SwarmDirectory
+from fusionp2p.net.dropped_streams import quiet_dropped_streams
 from fusionp2p.net.identity import ensure_identity, load_signing_key
 from fusionp2p.net.transport import P2PTransport
 
@@ -109,7 +110,9 @@ class SwarmConnection:
 
     async def transport(self) -> P2PTransport:
         """This process's libp2p handle for streams (one, on this connection's loop)."""
-        self._p2p = self._p2p or await self._dht.replicate_p2p()
+        if self._p2p is None:
+            quiet_dropped_streams()
+            self._p2p = await self._dht.replicate_p2p()
         return P2PTransport(self._p2p)
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:

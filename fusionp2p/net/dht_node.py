@@ -18,6 +18,7 @@ import hivemind
 from hivemind.dht.validation import RecordValidatorBase
 
 from fusionp2p.errors import SwarmError
+from fusionp2p.net.dropped_streams import quiet_dropped_streams
 from fusionp2p.net.sockets import hivemind_sockets, remove_stale
 from fusionp2p.net.validation import make_validators
 
@@ -37,6 +38,11 @@ def _remove_left_sockets(before: set[Path], patience_s: float = 3.0) -> None:
         if not (hivemind_sockets() - before) or time.monotonic() > deadline:
             return
         time.sleep(0.2)
+
+
+async def _quiet(_dht: hivemind.DHT, _node: hivemind.DHTNode) -> None:
+    """Runs in the DHT process: its streams that p2pd drops early are not errors either."""
+    quiet_dropped_streams()
 
 
 async def _exit_with_parent(_dht: hivemind.DHT, node: hivemind.DHTNode) -> None:
@@ -103,5 +109,6 @@ def start_dht(
         _remove_left_sockets(sockets_before)
         hint = " (is any initial peer alive and reachable?)" if initial_peers else ""
         raise SwarmError(f"could not start the DHT node: {e}{hint}") from e
+    dht.run_coroutine(_quiet, return_future=True)
     dht.run_coroutine(_exit_with_parent, return_future=True)
     return dht
