@@ -255,6 +255,20 @@ async def _watch_parent(stop: asyncio.Event) -> None:
     stop.set()
 
 
+def join_hint(swarm: str, maddrs: list[str]) -> list[str]:
+    """What a peer prints about joining it: the command for another machine, or, when it
+    listens on loopback only, for this machine and how to open it to others."""
+    command = f"  fusionp2p peer --swarm {swarm} --initial-peers {' '.join(maddrs)}"
+    if any(not m.startswith(("/ip4/127.", "/ip6/::1/")) for m in maddrs):
+        return ["To join this swarm from another machine, run:", command]
+    return [
+        "This peer listens on loopback only. To join it from this machine, run:",
+        command,
+        "To let other machines join, start it with --host-maddrs /ip4/0.0.0.0/tcp/PORT "
+        "(and --announce-maddrs /ip4/PUBLIC_IP/tcp/PORT behind NAT).",
+    ]
+
+
 async def _run_peer(config: PeerConfig, ready_file: str | None, exit_with_parent: bool) -> None:
     from fusionp2p.peer import Peer
 
@@ -272,8 +286,8 @@ async def _run_peer(config: PeerConfig, ready_file: str | None, exit_with_parent
             f"({peer.profile.device}, {flops:.1f} GFLOP/s fp32)",
             flush=True,
         )
-        print("To join this swarm from another machine, run:", flush=True)
-        print(f"  fusionp2p peer --swarm {config.swarm} --initial-peers {' '.join(maddrs)}", flush=True)
+        for line in join_hint(config.swarm, maddrs):
+            print(line, flush=True)
         if ready_file:
             tmp = Path(ready_file + ".tmp")
             tmp.write_text(json.dumps({"peer_id": peer.peer_id, "multiaddrs": maddrs, "pid": os.getpid()}))

@@ -9,10 +9,16 @@ fusionp2p train --config job.toml --resume ...                 go on from the jo
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import shlex
+import sys
+from typing import TYPE_CHECKING, Any
 
 from fusionp2p.errors import ConfigError
 from fusionp2p.records import LeaseRecord, PeerRecord, PlanStageRecord, RunStatusRecord
+
+if TYPE_CHECKING:
+    from fusionp2p.opdag.families import ModelRegistry
+    from fusionp2p.training.job_spec import JobSpec
 
 __all__ = ["add_train_parser", "cmd_train", "format_jobs", "format_runs"]
 
@@ -84,6 +90,26 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfigError(f"--local takes 1-16 peers, got {args.local}")
     if not args.local and not args.initial_peers:
         raise ConfigError("train needs --initial-peers MADDR (printed by `fusionp2p peer`), or --local N")
+    try:
+        _train(args, job, registry)
+    except KeyboardInterrupt:  # Ctrl-C: the peers left in order; say what is kept and how to go on
+        print(f"\nfusionp2p train: interrupted. {_resume_hint(job)}", file=sys.stderr, flush=True)
+        return 130
+    return 0
+
+
+def _resume_hint(job: JobSpec) -> str:
+    """How to go on from the last checkpoint: the same command with ``--resume``."""
+    argv = sys.argv[sys.argv.index("train") :] if "train" in sys.argv else ["train", "--config", "JOB.toml"]
+    again = shlex.join(["fusionp2p", *(a for a in argv if a != "--resume"), "--resume"])
+    every = f"every {job.checkpoint_every} steps" if job.checkpoint_every else "at the automatic period"
+    return (
+        f"The run keeps its last checkpoint (taken {every}) under {job.out_dir}; "
+        f"go on from it with:\n  {again}"
+    )
+
+
+def _train(args: argparse.Namespace, job: JobSpec, registry: ModelRegistry) -> None:
     from fusionp2p.swarm import Swarm
 
     if args.local:
@@ -97,10 +123,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         ):
             swarm.train(job, progress=not args.no_progress, resume=args.resume, registry=registry)
         print("the local swarm stopped; no peer process is left.")
-        return 0
+        return
     with Swarm(args.initial_peers, swarm=args.swarm, site=args.site) as swarm:
         swarm.train(job, progress=not args.no_progress, resume=args.resume, registry=registry)
-    return 0
 
 
 def format_jobs(

@@ -239,7 +239,7 @@ class PeerConfig:
     host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)  # where p2pd listens
     announce_maddrs: tuple[str, ...] = ()  # addresses other peers should dial (NAT, public IP)
     identity_path: str | None = None  # libp2p identity file; gives a stable PeerID
-    device: str = "cpu"  # "cpu", "cuda[:N]", or "auto" (a GPU when there is one): where stages compute
+    device: str = "auto"  # "cpu", "cuda[:N]", or "auto" (a GPU when there is one): where stages compute
     flops_override: float | None = None  # declared fp32 FLOP/s, replacing the measured one
     emulated_speed: float = 1.0  # testbeds: profile and compute as a device this much as fast, in (0, 1]
     upload_limit_mbps: float | None = None  # cap on this peer's outgoing stream traffic

@@ -225,7 +225,9 @@ class LocalSwarm:
         return self.start()
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        self.stop(keep_logs=exc_type is not None)
+        # a failure keeps the peers' logs to be read; Ctrl-C is no failure of theirs
+        failed = exc_type is not None and exc_type is not KeyboardInterrupt
+        self.stop(keep_logs=failed)
 
 
 def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:

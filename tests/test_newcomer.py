@@ -189,3 +189,55 @@ def test_the_demo_path_leaves_nothing_in_the_temp_directory(tmp_path: Path) -> N
     assert done.returncode == 0, done.stderr[-2000:]
     assert "trained 2 steps" in done.stdout and "no peer process is left" in done.stdout
     assert not left and not litter(tmp_path, before)
+
+
+def test_a_loopback_peer_says_how_to_open_it_to_other_machines() -> None:
+    from fusionp2p.cli import join_hint
+
+    local = join_hint("fusionp2p", ["/ip4/127.0.0.1/tcp/4001/p2p/QmA"])
+    assert "loopback only" in local[0] and "--host-maddrs /ip4/0.0.0.0/tcp/PORT" in local[-1]
+    public = join_hint("fusionp2p", ["/ip4/127.0.0.1/tcp/4001/p2p/QmA", "/ip4/192.0.2.7/tcp/4001/p2p/QmA"])
+    assert public[0] == "To join this swarm from another machine, run:" and "192.0.2.7" in public[1]
+
+
+def test_ctrl_c_during_train_says_the_run_was_interrupted_and_how_to_resume(tmp_path: Path) -> None:
+    config = tmp_path / "job.toml"
+    config.write_text(
+        'name = "ctrl-c"\n[model.config]\nvocab_size = 256\nn_positions = 16\nn_embd = 16\nn_layer = 1\n'
+        "n_head = 2\n[data]\nseq_len = 16\nmax_bytes = 20000\n[train]\nsteps = 100000\nbatch_size = 2\n"
+        f'micro_batch_size = 1\nmin_peers = 2\n[output]\ndir = "{tmp_path / "runs"}"\n'
+    )
+    before = hivemind_sockets()
+    train = subprocess.Popen(
+        [*CLI, "train", "--local", "2", "--config", str(config), "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        assert train.stdout is not None
+        deadline = time.monotonic() + 180
+        lines = []
+        while time.monotonic() < deadline:  # until it trains: the plan is printed, steps follow
+            line = train.stdout.readline()
+            lines.append(line)
+            if "[planned]" in line or not line:
+                break
+        assert "[planned]" in lines[-1], "".join(lines)
+        children = psutil.Process(train.pid).children(recursive=True)
+        train.send_signal(signal.SIGINT)
+        rest, _ = train.communicate(timeout=90)
+    finally:
+        if train.poll() is None:
+            train.kill()
+            train.communicate()
+        if train.stdout is not None:
+            train.stdout.close()
+    assert train.returncode == 130, rest[-2000:]
+    assert "fusionp2p train: interrupted." in rest, rest
+    assert f"--config {config} --no-progress --resume" in rest, rest  # the same command, to go on
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not [c for c in alive if _running(c)]
+    assert not litter(tmp_path, before)
