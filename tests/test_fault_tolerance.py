@@ -266,3 +266,7 @@ def test_a_killed_data_owner_resumes_from_its_checkpoint(
     _assert_same_training([losses[s] for s in range(1, job.steps + 1)], job)
     assert (run_dir / "weights.safetensors").is_file()
     assert not left  # the resumed data owner's daemon is gone too
+    rows = (run_dir / "metrics.jsonl").read_text()
+    again, left = run_grouped([*command, "--resume"], timeout=240)  # a finished run: nothing to redo
+    assert again.returncode == 1 and "is complete (30 steps" in again.stderr, again.stderr[-2000:]
+    assert (run_dir / "metrics.jsonl").read_text() == rows and not left

@@ -71,6 +71,7 @@ def describe_submitted(submitted: SubmittedJob) -> str:
     return "\n".join([*head, plan.describe(submitted.traced.dag, submitted.data_owner)])
 
 
+WEIGHTS = "weights.safetensors"  # a finished run's final weights, in its run directory
 _LM_NAMES = frozenset(f.name for f in LM_FAMILIES)  # built-in families that take token ids
 _BUILTIN_NAMES = frozenset(f.name for f in BUILTIN_FAMILIES)
 
@@ -141,6 +142,12 @@ def _open_run(
     found = newest_resumable(job.run_dir) if resume else None
     if resume and found is None:
         raise ConfigError(f"nothing to resume: no run of job {job.name} under {job.run_dir} has a checkpoint")
+    complete = found is not None and (found[0] / WEIGHTS).is_file()
+    if found is not None and complete and len(logged_losses(found[0], job.steps)) >= job.steps:
+        raise ConfigError(
+            f"nothing to resume: run {found[0].name} of job {job.name} is complete ({job.steps} steps, "
+            f"weights in {found[0] / WEIGHTS}); to train it longer, raise [train] steps and resume"
+        )
     run_dir, checkpoint = found if found is not None else (job.run_dir / new_run_id(job.name), None)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "job.json").write_text(json.dumps(job.to_dict(), indent=2, default=str))
@@ -278,7 +285,7 @@ def train(
     finally:
         metrics.close()
         run.close()
-    weights = save_weights(params, run.run_dir / "weights.safetensors")
+    weights = save_weights(params, run.run_dir / WEIGHTS)
     spec = job.model_spec()
     pretrained = save_pretrained(spec, params, run.run_dir / "pretrained", registry)
     seconds = time.perf_counter() - start
