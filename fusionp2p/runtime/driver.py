@@ -154,8 +154,10 @@ class PipelineDriver:
         traced, assignment, part = await asyncio.to_thread(
             _trace_and_split, spec, registry, layout, options.expect_dag
         )
+        if part.moved:  # one line; each move at debug level
+            logger.info("assignment adjusted: %d node(s) moved, e.g. %s", len(part.moved), part.moved[0])
         for note in part.moved:
-            logger.info("assignment adjusted: %s", note)
+            logger.debug("assignment adjusted: %s", note)
         setups = stage_setups(spec, traced.dag.fingerprint, assignment, part, layout, options, addresses)
         executor = TorchExecutor(
             traced.program,

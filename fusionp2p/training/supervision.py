@@ -149,8 +149,8 @@ class EventLog:
         """Records event ``kind`` (e.g. ``peer_lost``, ``replanned``) described by ``message``."""
         row = {"time": time.time(), "event": kind, "message": message, **fields}
         self.recent.append(row)
-        # printed already when there is a console: the log line then stays below warning level
-        logger.log(logging.INFO if self.out is not None else logging.WARNING, "%s: %s", kind, message)
+        # printed already when there is a console: the log line then stays at debug level
+        logger.log(logging.DEBUG if self.out is not None else logging.WARNING, "%s: %s", kind, message)
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(row, default=str) + "\n")
         if self.out is not None:
