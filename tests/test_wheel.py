@@ -1,6 +1,6 @@
-"""The package as a user installs it: the sdist builds, a wheel built from it installs (not
-editable) away from the clone and runs the CLI and a tiny local job, and the code parses on
-the oldest Python that pyproject.toml declares (issue 34)."""
+"""The package as a user installs it: the sdist builds, a wheel built from it installs in a
+fresh venv and runs the CLI and a tiny local job from ``/``, and the code parses on the
+oldest Python that pyproject.toml declares (issue 34)."""
 
 from __future__ import annotations
 
@@ -51,33 +51,39 @@ def _sdist(out: Path) -> Path:
     return out / name
 
 
-def test_a_wheel_built_from_the_sdist_installs_and_runs_away_from_the_clone(tmp_path: Path) -> None:
-    wheels, site, away = tmp_path / "wheels", tmp_path / "site", tmp_path / "elsewhere"
-    away.mkdir()
+def test_a_wheel_built_from_the_sdist_runs_from_a_fresh_venv_outside_the_clone(tmp_path: Path) -> None:
+    wheels, venv, runs = tmp_path / "wheels", tmp_path / "venv", tmp_path / "runs"
     sdist = _sdist(tmp_path)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
-    _run(*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", wheels, sdist, cwd=away)
+    _run(*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", wheels, sdist, cwd=tmp_path)
     (wheel,) = wheels.glob("fusionp2p-*.whl")
     shipped = set(zipfile.ZipFile(wheel).namelist())
     packages = {p.relative_to(ROOT).as_posix() for p in (ROOT / "fusionp2p").rglob("__init__.py")}
     assert packages <= shipped, sorted(packages - shipped)  # every subpackage, not a stale list
-    _run(*pip, "install", "--no-deps", "--no-compile", "--target", site, wheel, cwd=away)
-    env = {**os.environ, "PYTHONPATH": str(site), "TMPDIR": str(tmp_path)}
-    where = _run(sys.executable, "-c", "import fusionp2p; print(fusionp2p.__file__)", cwd=away, env=env)
+    # a fresh venv; its dependencies (torch, hivemind, ...) are this venv's, read through a
+    # .pth file (not a site directory: this venv's editable install of the clone stays out)
+    _run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp_path)
+    (site,) = (venv / "lib").glob("python3*/site-packages")
+    deps = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
+    (site / "dependencies.pth").write_text("\n".join(deps) + "\n")
+    python, cli = venv / "bin" / "python", venv / "bin" / "fusionp2p"
+    _run(*pip, "--python", python, "install", "--no-deps", "--no-compile", wheel, cwd=tmp_path)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env.pop("PYTHONPATH", None)
+    where = _run(python, "-c", "import fusionp2p; print(fusionp2p.__file__)", cwd=Path("/"), env=env)
     assert Path(where.strip()).is_relative_to(site)  # the wheel, not the clone
     source = "from fusionp2p.kernels import cuda_source; print(cuda_source('select_above.cu'))"
-    assert "void select_above(" in _run(sys.executable, "-c", source, cwd=away, env=env)  # package data
-    assert "fusionp2p" in _run(site / "bin" / "fusionp2p", "--help", cwd=away, env=env)
-    example = _run(site / "bin" / "fusionp2p", "train", "--example-config", cwd=away, env=env)
+    assert "void select_above(" in _run(python, "-c", source, cwd=Path("/"), env=env)  # package data
+    assert "fusionp2p" in _run(cli, "--help", cwd=Path("/"), env=env)
+    example = _run(cli, "train", "--example-config", cwd=Path("/"), env=env)
     assert tomllib.loads(example)  # a job file a user can start from
-    config = away / "job.toml"
-    config.write_text(TINY_JOB.format(runs=away / "runs"))
-    cli = [str(site / "bin" / "fusionp2p"), "--log-level", "error"]
+    config = tmp_path / "job.toml"
+    config.write_text(TINY_JOB.format(runs=runs))
     done, left = run_grouped(
-        [*cli, "train", "--local", "2", "--config", str(config), "--no-progress"],
+        [str(cli), "--log-level", "error", "train", "--local", "2", "--config", str(config), "--no-progress"],
         timeout=300,
         env=env,
-        cwd=away,
+        cwd="/",
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "trained 2 steps" in done.stdout and not left
