@@ -241,3 +241,18 @@ def test_ctrl_c_during_train_says_the_run_was_interrupted_and_how_to_resume(tmp_
     _, alive = psutil.wait_procs(children, timeout=15)
     assert not [c for c in alive if _running(c)]
     assert not litter(tmp_path, before)
+
+
+def test_tensorboard_is_an_extra_a_job_asks_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fusionp2p.errors import ConfigError
+    from fusionp2p.training.job_spec import EXAMPLE_CONFIG, JobSpec
+    from fusionp2p.training.trainer import preflight
+
+    assert JobSpec.from_toml(EXAMPLE_CONFIG).tensorboard is False  # off unless asked for
+    job = JobSpec.from_toml(EXAMPLE_CONFIG.replace("tensorboard = false", "tensorboard = true"))
+    assert job.tensorboard is True
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # not installed (nor is it here)
+    with pytest.raises(ConfigError, match=r"pip install 'fusionp2p\[tensorboard\]'"):
+        preflight(job)
+    with pytest.raises(ConfigError, match="tensorboard: must be true or false"):
+        JobSpec.from_toml(EXAMPLE_CONFIG.replace("tensorboard = false", "tensorboard = 1"))

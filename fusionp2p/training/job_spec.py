@@ -81,6 +81,7 @@ max_replans = 10               # give up after this many re-plans
 
 [output]
 dir = "fusionp2p-runs"         # metrics.jsonl, checkpoints, final weights go to <dir>/<name>
+tensorboard = false            # also TensorBoard scalars (pip install 'fusionp2p[tensorboard]')
 
 [security]                     # a private swarm: trust only these peers (PeerIDs); [] = any
 coordinators = []              # whose coordinator lease this data owner accepts
@@ -120,6 +121,7 @@ _TOML_FIELDS: dict[tuple[str, str], str] = {
     ("fault", "straggler_min_s"): "straggler_min_s",
     ("fault", "max_replans"): "max_replans",
     ("output", "dir"): "out_dir",
+    ("output", "tensorboard"): "tensorboard",
     ("security", "coordinators"): "coordinators",
     ("security", "stage_peers"): "stage_peers",
 }
@@ -201,6 +203,7 @@ class JobSpec:
     straggler_min_s: float = 1.0
     max_replans: int = 10
     out_dir: str = "fusionp2p-runs"
+    tensorboard: bool = False  # also write TensorBoard scalars (the fusionp2p[tensorboard] extra)
     coordinators: tuple[str, ...] = ()  # the only peers whose coordinator lease is accepted; () = any
     stage_peers: tuple[str, ...] = ()  # the only peers the job's stages may run on; () = any
 
@@ -262,6 +265,8 @@ class JobSpec:
             object.__setattr__(self, name, tuple(value))  # a TOML array arrives as a list
         if not isinstance(self.out_dir, str) or not self.out_dir:
             raise ConfigError(f"[output] dir: must be a directory path, got {self.out_dir!r:.40}")
+        if not isinstance(self.tensorboard, bool):
+            raise ConfigError(f"[output] tensorboard: must be true or false, got {self.tensorboard!r:.40}")
         try:
             OptimizerConfig(name=self.optimizer, lr=self.lr, weight_decay=self.weight_decay)
         except ConfigError as e:

@@ -1,6 +1,6 @@
 """What a run leaves in its directory: metrics, the final weights, a ``save_pretrained`` copy.
 
-``metrics.jsonl`` gets one row per step (and a TensorBoard scalar when tensorboard is
+``metrics.jsonl`` gets one row per step (and a TensorBoard scalar when the job asks and tensorboard is
 installed); the weights are written as safetensors, atomically; transformers families
 also get ``save_pretrained``.
 """
@@ -67,17 +67,15 @@ def save_pretrained(
 
 
 class MetricsLog:
-    """metrics.jsonl, plus TensorBoard scalars when tensorboard is installed."""
+    """metrics.jsonl, plus TensorBoard scalars when the job asks for them."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, *, tensorboard: bool = False) -> None:
         self.file = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
         self.board: Any = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # preflight checked it imports
 
             self.board = SummaryWriter(str(run_dir / "tensorboard"))
-        except ImportError:
-            pass
 
     def write(self, row: dict[str, Any]) -> None:
         self.file.write(json.dumps(row) + "\n")

@@ -12,6 +12,7 @@ and stragglers are planned around), and at the end the weights are written
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import time
@@ -105,6 +106,11 @@ def preflight(job: JobSpec, registry: ModelRegistry | None = None) -> None:
                 )
     spec = job.model_spec()
     resolve_spec(spec, registry or ModelRegistry.for_data_owner(spec.family))
+    if job.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(
+            "[output] tensorboard: TensorBoard logging needs the tensorboard package: "
+            "pip install 'fusionp2p[tensorboard]'"
+        )
 
 
 def _progress(total: int, enabled: bool) -> Any:
@@ -276,7 +282,7 @@ def train(
     preflight(job, registry)
     start = time.perf_counter()
     run, losses = _open_run(connection, job, out, progress=progress, registry=registry, resume=resume)
-    metrics = MetricsLog(run.run_dir)
+    metrics = MetricsLog(run.run_dir, tensorboard=job.tensorboard)
     try:
         bar = _progress(job.steps, progress)
         bar.update(run.step)
