@@ -59,7 +59,6 @@ class Peer:
         transport: Transport,
         profile: DeviceProfile,
         directory: SwarmDirectory,
-        tmpdir: str | None,
     ) -> None:
         self.config = config
         self.dht = dht
@@ -70,7 +69,6 @@ class Peer:
         self.estimator = LinkEstimator(self.peer_id, config.probe)
         self.state = "joining"
         self.started_at = get_dht_time()
-        self._tmpdir = tmpdir
         self._busy = False
         self._expiration = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -118,10 +116,9 @@ class Peer:
                 signing_key=signing_key,
                 fresh_identity=fresh,
             )
-        except BaseException:  # an ephemeral identity never outlives a failed start
+        finally:  # an ephemeral identity lives only while p2pd starts (it has read it then)
             if tmpdir:
                 shutil.rmtree(tmpdir, ignore_errors=True)
-            raise
         try:
             quiet_dropped_streams()
             transport: Transport = P2PTransport(await dht.replicate_p2p())
@@ -129,7 +126,7 @@ class Peer:
                 transport = RateLimitedTransport(transport, config.upload_limit_mbps * 1e6 / 8)
             marker = RSASignatureValidator(signing_key).local_public_key
             directory = SwarmDirectory(dht, config.swarm, owner_marker=marker, timeout=config.timeouts.dht)
-            peer = cls(config, dht, transport, profile, directory, tmpdir)
+            peer = cls(config, dht, transport, profile, directory)
             maddrs = await dht.run_coroutine(
                 partial(hivemind.DHT._get_visible_maddrs, latest=True), return_future=True
             )
@@ -168,8 +165,6 @@ class Peer:
             await peer._publish_self()
         except BaseException:
             stop_dht(dht)
-            if tmpdir:
-                shutil.rmtree(tmpdir, ignore_errors=True)
             raise
         peer._spawn(peer._heartbeat_loop(), "heartbeat")
         peer._spawn(peer._probe_loop(), "probe")
@@ -364,6 +359,4 @@ class Peer:
         with contextlib.suppress(Exception):
             await self.transport.aclose()
         await asyncio.to_thread(stop_dht, self.dht)
-        if self._tmpdir:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
         logger.info("peer %s left swarm %r", self.peer_id, self.config.swarm)

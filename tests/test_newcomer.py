@@ -17,6 +17,7 @@ import pytest
 from process_helpers import hivemind_sockets, litter, run_grouped
 
 from fusionp2p.launch import LocalSwarm
+from fusionp2p.net.sockets import remove_stale
 from fusionp2p.planning import synthetic_swarm
 
 CLI = [sys.executable, "-m", "fusionp2p", "--log-level", "error"]
@@ -256,3 +257,34 @@ def test_tensorboard_is_an_extra_a_job_asks_for(monkeypatch: pytest.MonkeyPatch)
         preflight(job)
     with pytest.raises(ConfigError, match="tensorboard: must be true or false"):
         JobSpec.from_toml(EXAMPLE_CONFIG.replace("tensorboard = false", "tensorboard = 1"))
+
+
+def test_a_killed_peer_without_an_identity_file_leaves_no_key_behind(tmp_path: Path) -> None:
+    """Its ephemeral identity lives only while p2pd starts: a SIGKILL later leaves no
+    $TMPDIR/fusionp2p-*/identity.key (issue 34, trip 13)."""
+    before = hivemind_sockets()
+    ready = tmp_path / "ready.json"
+    peer = subprocess.Popen(
+        [*CLI, "peer", "--swarm", "litter-key", "--ready-file", str(ready), "--flops", "1e9"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert peer.poll() is None and time.monotonic() < deadline, "the peer did not start"
+            time.sleep(0.2)
+        children = psutil.Process(peer.pid).children(recursive=True)
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith("fusionp2p-")]  # gone already
+        peer.kill()
+        peer.wait(10)
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait()
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not [c for c in alive if _running(c)]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("fusionp2p-")]
+    # a killed process's client socket stays until the next peer's start sweeps it: sweep it now
+    remove_stale(hivemind_sockets() - before)
