@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from pathlib import Path
 from fusionp2p.cli_jobs import add_train_parser, cmd_train
 from fusionp2p.cli_swarm import cmd_local, cmd_plan, cmd_status
 from fusionp2p.config import DEFAULT_SWARM, ExecLimits, PeerConfig, ProbeConfig, TraceBudget, parse_bytes
-from fusionp2p.errors import FusionP2PError
+from fusionp2p.errors import ConfigError, FusionP2PError
 from fusionp2p.opdag.families import BUILTIN_FAMILIES
 from fusionp2p.version import __version__
 
@@ -300,8 +301,28 @@ async def _run_peer(config: PeerConfig, ready_file: str | None, exit_with_parent
         await peer.aclose()
 
 
+_FLAG_OF = {"flops_override": "--flops", "allow_models": "--allow-model", "coordinator": "--no-coordinator"}
+
+
+def _as_flags(message: str) -> str:
+    """A PeerConfig error in the words of the command line: ``--host-maddrs``, not
+    ``PeerConfig.host_maddrs``."""
+    return re.sub(r"PeerConfig\.(\w+)", lambda m: _FLAG_OF.get(m[1], "--" + m[1].replace("_", "-")), message)
+
+
 def _cmd_peer(args: argparse.Namespace) -> int:
-    config = PeerConfig(
+    try:
+        config = _peer_config(args)
+    except ConfigError as e:
+        raise ConfigError(_as_flags(str(e))) from None
+    import uvloop
+
+    uvloop.run(_run_peer(config, args.ready_file, args.exit_with_parent))
+    return 0
+
+
+def _peer_config(args: argparse.Namespace) -> PeerConfig:
+    return PeerConfig(
         swarm=args.swarm,
         initial_peers=tuple(args.initial_peers),
         host_maddrs=tuple(args.host_maddrs),
@@ -332,10 +353,6 @@ def _cmd_peer(args: argparse.Namespace) -> int:
             job_idle_timeout=args.job_idle_timeout,
         ),
     )
-    import uvloop
-
-    uvloop.run(_run_peer(config, args.ready_file, args.exit_with_parent))
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -273,7 +273,9 @@ class PeerConfig:
         for name in ("initial_peers", "host_maddrs", "announce_maddrs"):
             for maddr in getattr(self, name):
                 if not isinstance(maddr, str) or not maddr.startswith("/"):
-                    raise ConfigError(f"PeerConfig.{name} holds {maddr!r}, not a multiaddr")
+                    host_port = re.fullmatch(r"(\d+\.\d+\.\d+\.\d+):(\d+)", str(maddr))
+                    hint = f" (did you mean /ip4/{host_port[1]}/tcp/{host_port[2]}?)" if host_port else ""
+                    raise ConfigError(f"PeerConfig.{name} holds {maddr!r}, not a multiaddr{hint}")
         if not self.host_maddrs:
             raise ConfigError("PeerConfig.host_maddrs must name at least one address")
         if self.device not in ("cpu", "auto") and not re.fullmatch(r"cuda(:\d+)?", self.device):

@@ -288,3 +288,19 @@ def test_a_killed_peer_without_an_identity_file_leaves_no_key_behind(tmp_path: P
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("fusionp2p-")]
     # a killed process's client socket stays until the next peer's start sweeps it: sweep it now
     remove_stale(hivemind_sockets() - before)
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (
+            ["--host-maddrs", "0.0.0.0:31337"],
+            "--host-maddrs holds '0.0.0.0:31337', not a multiaddr (did you mean",
+        ),
+        (["--emulated-speed", "2"], "--emulated-speed must be in (0, 1]"),
+        (["--flops", "-1"], "--flops"),
+    ],
+)
+def test_a_bad_peer_flag_is_named_as_the_command_line_spells_it(flags: list[str], says: str) -> None:
+    line = _one_error_line(_cli("peer", *flags), "peer")
+    assert says in line and "PeerConfig" not in line
