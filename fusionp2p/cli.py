@@ -96,6 +96,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     peer.add_argument("--flops", type=float, help="declared fp32 FLOP/s instead of measuring")
     peer.add_argument(
+        "--reprofile",
+        action="store_true",
+        help="measure the device again instead of using its cached profile (re-measured anyway "
+        "after 7 days, or when a quick check runs 4x as fast as the cache says)",
+    )
+    peer.add_argument(
         "--emulated-speed",
         type=float,
         default=_PEER.emulated_speed,
@@ -331,6 +337,7 @@ def _peer_config(args: argparse.Namespace) -> PeerConfig:
         device=args.device,
         flops_override=args.flops,
         emulated_speed=args.emulated_speed,
+        reprofile=args.reprofile,
         upload_limit_mbps=args.upload_limit_mbps,
         site=args.site,
         heartbeat=args.heartbeat,

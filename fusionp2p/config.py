@@ -242,6 +242,7 @@ class PeerConfig:
     device: str = "auto"  # "cpu", "cuda[:N]", or "auto" (a GPU when there is one): where stages compute
     flops_override: float | None = None  # declared fp32 FLOP/s, replacing the measured one
     emulated_speed: float = 1.0  # testbeds: profile and compute as a device this much as fast, in (0, 1]
+    reprofile: bool = False  # measure the device even when a plausible cached profile exists
     upload_limit_mbps: float | None = None  # cap on this peer's outgoing stream traffic
     site: str = ""  # the data centre this peer is in: peers of one site share links to other sites
     heartbeat: float = 5.0  # seconds between PeerRecord/LinkRecord refreshes

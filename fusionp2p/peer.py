@@ -106,7 +106,11 @@ class Peer:
             device = resolve_device(config.device)
             logger.info("stages compute on %s (--device %s)", device, config.device)
             profile = await asyncio.to_thread(
-                profile_device, device, flops_override=config.flops_override, speed=config.emulated_speed
+                profile_device,
+                device,
+                flops_override=config.flops_override,
+                speed=config.emulated_speed,
+                use_cache=not config.reprofile,
             )
             dht = start_dht(
                 initial_peers=config.initial_peers,

@@ -1,5 +1,7 @@
 """The device profile is measured, cached per device, and overridable."""
 
+import json
+import os
 import time
 
 import pytest
@@ -31,6 +33,33 @@ def test_profile_is_cached_and_flops_override_skips_measuring(tmp_path, monkeypa
     assert again.flops == first.flops
     declared = profile_device("cpu", flops_override=5e12)
     assert declared.flops == {"float32": 5e12} and declared.measured == {"float32": False}
+
+
+def test_a_cached_profile_that_is_implausible_or_old_or_unwanted_is_measured_again(
+    tmp_path, monkeypatch
+) -> None:
+    """Issue 34, trip 10: a profile taken under load (12.3 GFLOP/s on a machine that gives
+    174) was reused by every later peer."""
+    monkeypatch.setenv("FUSIONP2P_CACHE", str(tmp_path))
+    first = profile_device("cpu")
+    (path,) = tmp_path.glob("profile-*.json")
+
+    def cache(**changes: object) -> None:
+        raw = json.loads(path.read_text())
+        raw.update(changes)
+        path.write_text(json.dumps(raw))
+
+    cache(flops={**first.flops, "float32": first.flops["float32"] / 100})  # taken under heavy load
+    again = profile_device("cpu")
+    assert again.flops["float32"] > first.flops["float32"] / 10  # measured again ...
+    assert json.loads(path.read_text())["flops"] == again.flops  # ... and cached
+    cache(device_name="marked")
+    assert profile_device("cpu").device_name == "marked"  # plausible and fresh: read
+    assert profile_device("cpu", use_cache=False).device_name != "marked"  # fusionp2p peer --reprofile
+    cache(device_name="marked")
+    week_ago = time.time() - 8 * 24 * 3600
+    os.utime(path, (week_ago, week_ago))
+    assert profile_device("cpu").device_name != "marked"  # too old
 
 
 def test_missing_cuda_is_a_clear_error(monkeypatch) -> None:

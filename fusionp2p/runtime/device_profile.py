@@ -38,6 +38,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _CACHE_VERSION = 4  # 2: TRAIN_FLOPS; 3: topk_codec_s; 4: median of >= MIN_RUNS runs
+CACHE_MAX_AGE_S = 7 * 24 * 3600.0  # a cached profile older than this is measured again
+IMPLAUSIBLE = 4.0  # a quick check this many times faster than the cached speed: measure again
 MIN_RUNS = 3
 
 
@@ -121,6 +123,11 @@ def _sync(device: torch.device) -> Callable[[], object]:
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
+def _matmul_size(device: torch.device) -> int:
+    """The side of the fp32 matmul a profile times on ``device``."""
+    return 2048 if device.type == "cuda" else 512
+
+
 def _time_matmul(
     device: torch.device, dtype: torch.dtype, n: int, budget_s: float, throttle: Throttle
 ) -> float:
@@ -188,7 +195,7 @@ def measure_device(device: str, *, budget_s: float = 0.5, speed: float = 1.0) ->
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ProfileError(f"device {device} requested but CUDA is not available here")
-    n = 2048 if dev.type == "cuda" else 512
+    n = _matmul_size(dev)
     throttle = Throttle(speed)
     flops: dict[str, float] = {}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)):
@@ -219,11 +226,46 @@ def _cache_path(device: str, speed: float) -> Path:
     return root / f"profile-{key}.json"
 
 
+def _cached(path: Path, device: str, speed: float) -> DeviceProfile | None:
+    """The profile cached at ``path``, unless it is missing, unreadable, of another cache
+    version, older than ``CACHE_MAX_AGE_S``, or implausible: a quick fp32 matmul check now
+    runs ``IMPLAUSIBLE`` times faster than it says (a profile taken under load, say)."""
+    try:
+        age = time.time() - path.stat().st_mtime
+        raw = json.loads(path.read_text())
+        if raw.pop("cache_version", None) != _CACHE_VERSION:
+            return None
+        raw["executors"] = tuple(raw["executors"])
+        profile = DeviceProfile(**raw)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        logger.info("ignoring unreadable profile cache %s: %s", path, e)
+        return None
+    if age > CACHE_MAX_AGE_S:
+        logger.info("the cached profile of %s is %.0f days old: measuring again", device, age / 86400)
+        return None
+    cached = profile.flops.get("float32", 0.0)
+    dev = torch.device(device)
+    now = _time_matmul(dev, torch.float32, _matmul_size(dev), 0.05, Throttle(speed))  # ~0.1 s
+    if now > IMPLAUSIBLE * cached:
+        logger.warning(
+            "the cached profile of %s says %.1f GFLOP/s, a quick check now %.1f: measuring again",
+            device,
+            cached / 1e9,
+            now / 1e9,
+        )
+        return None
+    logger.info("device profile of %s from cache %s", device, path)
+    return profile
+
+
 def profile_device(
     device: str, *, flops_override: float | None = None, use_cache: bool = True, speed: float = 1.0
 ) -> DeviceProfile:
     """The profile of ``device`` (emulated at ``speed``, see ``runtime.throttle``): cached
-    if measured before, else measured and cached."""
+    if measured before (and still plausible, ``_cached``), else measured and cached;
+    ``use_cache=False`` (``fusionp2p peer --reprofile``) always measures."""
     if flops_override is not None:
         _, total = free_memory(device)
         return DeviceProfile(
@@ -234,16 +276,7 @@ def profile_device(
             measured={"float32": False},
         )
     path = _cache_path(device, speed)
-    profile = None
-    if use_cache and path.exists():
-        try:
-            raw = json.loads(path.read_text())
-            if raw.pop("cache_version", None) == _CACHE_VERSION:
-                raw["executors"] = tuple(raw["executors"])
-                profile = DeviceProfile(**raw)
-                logger.info("device profile of %s from cache %s", device, path)
-        except (OSError, ValueError, TypeError, KeyError) as e:
-            logger.info("ignoring unreadable profile cache %s: %s", path, e)
+    profile = _cached(path, device, speed) if use_cache else None
     if profile is None:
         logger.info("measuring %s (matmul FLOP/s per dtype)...", device)
         profile = measure_device(device, speed=speed)
