@@ -32,6 +32,17 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _tiny_job(tmp_path: Path, name: str, *, steps: int) -> Path:
+    """A job file of a 1-layer GPT-2 on a little stdlib text, for 2 local peers."""
+    config = tmp_path / "job.toml"
+    config.write_text(
+        f'name = "{name}"\n[model.config]\nvocab_size = 256\nn_positions = 16\nn_embd = 16\nn_layer = 1\n'
+        f"n_head = 2\n[data]\nseq_len = 16\nmax_bytes = 20000\n[train]\nsteps = {steps}\nbatch_size = 2\n"
+        f'micro_batch_size = 1\nmin_peers = 2\n[output]\ndir = "{tmp_path / "runs"}"\n'
+    )
+    return config
+
+
 def _one_error_line(done: subprocess.CompletedProcess[str], command: str) -> str:
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.strip()]
@@ -111,10 +122,13 @@ def test_a_failed_start_leaves_nothing_in_the_temp_directory(command: str, tmp_p
     assert not left and not litter(tmp_path, before)  # no process, no identity key, no daemon socket
 
 
-def test_a_local_swarm_stopped_with_ctrl_c_says_so_and_leaves_nothing(tmp_path: Path) -> None:
+def _ctrl_c_once(args: list[str], shown: str, tmp_path: Path) -> tuple[int, str]:
+    """Runs the CLI with ``args``, sends it Ctrl-C's SIGINT once a line holds ``shown``, and
+    checks that every process it started ends and nothing is left in its temp directory;
+    its exit code and the output after the signal."""
     before = hivemind_sockets()
-    local = subprocess.Popen(
-        [*CLI, "local", "--peers", "2", "--duration", "120"],
+    command = subprocess.Popen(
+        [*CLI, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -123,35 +137,42 @@ def test_a_local_swarm_stopped_with_ctrl_c_says_so_and_leaves_nothing(tmp_path: 
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
-        assert local.stdout is not None
-        deadline = time.monotonic() + 120
+        assert command.stdout is not None
+        deadline = time.monotonic() + 180
         lines = []
         while time.monotonic() < deadline:
-            line = local.stdout.readline()
+            line = command.stdout.readline()
             lines.append(line)
-            if "keeping the swarm up" in line or not line:
+            if shown in line or not line:
                 break
-        assert "keeping the swarm up" in lines[-1], "".join(lines)
-        children = psutil.Process(local.pid).children(recursive=True)
-        local.send_signal(signal.SIGINT)  # what Ctrl-C sends the command (the peers get theirs from it)
-        rest, _ = local.communicate(timeout=60)
+        assert shown in lines[-1], "".join(lines)
+        children = psutil.Process(command.pid).children(recursive=True)
+        command.send_signal(signal.SIGINT)  # what Ctrl-C sends the command (its peers get theirs from it)
+        rest, _ = command.communicate(timeout=90)
     finally:
-        if local.poll() is None:
-            local.kill()
-            local.communicate()  # reaps it and closes the pipe
-        if local.stdout is not None:
-            local.stdout.close()
-    assert local.returncode == 130
-    assert (
-        "interrupted (Ctrl-C)" in rest
-        and "stopping the local swarm" in rest
-        and "done: every peer left" in rest
-    )
+        if command.poll() is None:
+            command.kill()
+            command.communicate()  # reaps it and closes the pipe
+        if command.stdout is not None:
+            command.stdout.close()
     # every process it started ends; torch's shared-memory helper (a peer's child) exits on
     # its own once its clients are gone, which may be a moment after the peers
     _, alive = psutil.wait_procs(children, timeout=15)
     assert not [c for c in alive if _running(c)]
     assert not litter(tmp_path, before)
+    return command.returncode, rest
+
+
+def test_a_local_swarm_stopped_with_ctrl_c_says_so_and_leaves_nothing(tmp_path: Path) -> None:
+    code, rest = _ctrl_c_once(
+        ["local", "--peers", "2", "--duration", "120"], "keeping the swarm up", tmp_path
+    )
+    assert code == 130
+    assert (
+        "interrupted (Ctrl-C)" in rest
+        and "stopping the local swarm" in rest
+        and "done: every peer left" in rest
+    )
 
 
 def _running(process: psutil.Process) -> bool:
@@ -175,12 +196,7 @@ def test_a_killed_local_peer_leaves_no_socket(tmp_path: Path, monkeypatch: pytes
 
 
 def test_the_demo_path_leaves_nothing_in_the_temp_directory(tmp_path: Path) -> None:
-    config = tmp_path / "job.toml"
-    config.write_text(
-        'name = "litter"\n[model.config]\nvocab_size = 256\nn_positions = 16\nn_embd = 16\nn_layer = 1\n'
-        "n_head = 2\n[data]\nseq_len = 16\nmax_bytes = 20000\n[train]\nsteps = 2\nbatch_size = 2\n"
-        f'micro_batch_size = 1\nmin_peers = 2\n[output]\ndir = "{tmp_path / "runs"}"\n'
-    )
+    config = _tiny_job(tmp_path, "litter", steps=2)
     before = hivemind_sockets()
     done, left = run_grouped(
         [*CLI, "train", "--local", "2", "--config", str(config), "--no-progress"],
@@ -202,46 +218,12 @@ def test_a_loopback_peer_says_how_to_open_it_to_other_machines() -> None:
 
 
 def test_ctrl_c_during_train_says_the_run_was_interrupted_and_how_to_resume(tmp_path: Path) -> None:
-    config = tmp_path / "job.toml"
-    config.write_text(
-        'name = "ctrl-c"\n[model.config]\nvocab_size = 256\nn_positions = 16\nn_embd = 16\nn_layer = 1\n'
-        "n_head = 2\n[data]\nseq_len = 16\nmax_bytes = 20000\n[train]\nsteps = 100000\nbatch_size = 2\n"
-        f'micro_batch_size = 1\nmin_peers = 2\n[output]\ndir = "{tmp_path / "runs"}"\n'
-    )
-    before = hivemind_sockets()
-    train = subprocess.Popen(
-        [*CLI, "train", "--local", "2", "--config", str(config), "--no-progress"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "TMPDIR": str(tmp_path)},
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    try:
-        assert train.stdout is not None
-        deadline = time.monotonic() + 180
-        lines = []
-        while time.monotonic() < deadline:  # until it trains: the plan is printed, steps follow
-            line = train.stdout.readline()
-            lines.append(line)
-            if "[planned]" in line or not line:
-                break
-        assert "[planned]" in lines[-1], "".join(lines)
-        children = psutil.Process(train.pid).children(recursive=True)
-        train.send_signal(signal.SIGINT)
-        rest, _ = train.communicate(timeout=90)
-    finally:
-        if train.poll() is None:
-            train.kill()
-            train.communicate()
-        if train.stdout is not None:
-            train.stdout.close()
-    assert train.returncode == 130, rest[-2000:]
+    config = _tiny_job(tmp_path, "ctrl-c", steps=100_000)
+    args = ["train", "--local", "2", "--config", str(config), "--no-progress"]
+    code, rest = _ctrl_c_once(args, "[planned]", tmp_path)  # it trains once its plan is printed
+    assert code == 130, rest[-2000:]
     assert "fusionp2p train: interrupted." in rest, rest
     assert f"--config {config} --no-progress --resume" in rest, rest  # the same command, to go on
-    _, alive = psutil.wait_procs(children, timeout=15)
-    assert not [c for c in alive if _running(c)]
-    assert not litter(tmp_path, before)
 
 
 def test_tensorboard_is_an_extra_a_job_asks_for(monkeypatch: pytest.MonkeyPatch) -> None:
