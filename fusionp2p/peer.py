@@ -39,6 +39,7 @@ from fusionp2p.net.transport import P2PTransport, RateLimitedTransport, Transpor
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.records import MAX_LINKS_PER_PEER, PROBE_PROTOCOL, JobSetup, PeerRecord
 from fusionp2p.runtime.device_profile import DeviceProfile, free_memory, profile_device, resolve_device
+from fusionp2p.runtime.engines import memory_allowance
 from fusionp2p.runtime.service import ExecutorService, ServicePolicy
 from fusionp2p.version import __version__
 
@@ -247,6 +248,9 @@ class Peer:
 
     def _peer_record(self, now: float) -> PeerRecord:
         free, total = free_memory(self.profile.device)
+        free = min(
+            free, memory_allowance(self.config.max_memory_bytes, self.profile.device)
+        )  # what a stage gets
         limit = (self.config.upload_limit_mbps or 0) * 1e6 / 8
         jobs = self.executors.jobs if self.executors is not None else {}
         return PeerRecord(

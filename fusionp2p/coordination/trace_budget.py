@@ -28,7 +28,7 @@ from fusionp2p.config import TraceBudget, format_bytes
 from fusionp2p.errors import ConfigError, FusionP2PError, LimitError
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.ir import OpDag
-from fusionp2p.opdag.spec import build_model
+from fusionp2p.opdag.spec import skeleton_model
 from fusionp2p.opdag.trace import trace_spec
 from fusionp2p.records import ModelSpec
 
@@ -71,7 +71,7 @@ def _child(conn: multiprocessing.connection.Connection, spec_wire: bytes, allow:
         spec = ModelSpec.from_wire(spec_wire)
         registry = ModelRegistry(allow=allow)
         with FakeTensorMode():
-            module: torch.nn.Module = build_model(spec, registry)
+            module: torch.nn.Module = skeleton_model(spec, registry)
             size = sum(p.numel() * p.element_size() for p in module.parameters())
         del module
         conn.send(("size", size))

@@ -26,7 +26,7 @@ from fusionp2p.net.dht_node import start_dht, stop_dht
 from fusionp2p.net.directory import SwarmDirectory
 from fusionp2p.net.dropped_streams import quiet_dropped_streams
 from fusionp2p.net.identity import ensure_identity, load_signing_key
-from fusionp2p.net.transport import P2PTransport
+from fusionp2p.net.transport import ByteMeter, P2PTransport
 
 __all__ = ["SwarmConnection"]
 
@@ -88,6 +88,7 @@ class SwarmConnection:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._p2p: P2P | None = None
+        self.meter = ByteMeter()  # bytes this process sent on its streams
         try:
             asyncio.get_running_loop()
             self._dht, key = _start_signed_dht(self.initial_peers)
@@ -113,7 +114,7 @@ class SwarmConnection:
         if self._p2p is None:
             quiet_dropped_streams()
             self._p2p = await self._dht.replicate_p2p()
-        return P2PTransport(self._p2p)
+        return P2PTransport(self._p2p, self.meter)
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Runs ``coro`` on this connection's event loop (where its libp2p handle lives) and

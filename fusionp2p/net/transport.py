@@ -19,6 +19,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import raise_if_failed, read_pbmsg_safe, write_pbmsg
@@ -41,6 +42,7 @@ from fusionp2p.net.framing import (
 from fusionp2p.net.limits import RejectionLog, StreamGate
 
 __all__ = [
+    "ByteMeter",
     "FrameStream",
     "P2PTransport",
     "RateLimitedTransport",
@@ -90,6 +92,13 @@ def _needs_drain(writer: asyncio.StreamWriter) -> bool:
     return transport is None or transport.is_closing() or transport.get_write_buffer_size() > _DRAIN_ABOVE
 
 
+@dataclass
+class ByteMeter:
+    """Bytes of frames (headers included) sent on a transport's streams, both ways opened."""
+
+    sent: int = 0
+
+
 class FrameStream:
     """One bidirectional stream of frames to ``remote`` (a base58 PeerID)."""
 
@@ -100,11 +109,13 @@ class FrameStream:
         writer: asyncio.StreamWriter,
         *,
         bucket: TokenBucket | None = None,
+        meter: ByteMeter | None = None,
     ) -> None:
         self.remote = remote
         self._reader = reader
         self._writer = writer
         self._bucket = bucket
+        self._meter = meter
 
     async def send(
         self,
@@ -124,6 +135,8 @@ class FrameStream:
         self, kind: FrameKind, *parts: bytes | bytearray | memoryview, timeout: float = DEFAULT_TIMEOUTS.frame
     ) -> None:
         """Sends one frame whose payload is ``parts`` one after the other (see ``send``)."""
+        if self._meter is not None:
+            self._meter.sent += HEADER.size + sum(len(memoryview(p).cast("B")) for p in parts)
         try:
             if self._bucket is None and not _needs_drain(self._writer):
                 write_frame_nowait(self._writer, kind, *parts)  # the common small frame: no await
@@ -200,6 +213,11 @@ class Transport(abc.ABC):
     """Opens and serves frame streams between peers."""
 
     @property
+    def bytes_sent(self) -> int:
+        """Frame bytes sent on this transport's streams so far (0: it does not count)."""
+        return 0
+
+    @property
     @abc.abstractmethod
     def peer_id(self) -> str:
         """This side's base58 PeerID."""
@@ -273,21 +291,27 @@ def rejection_log() -> RejectionLog:
 class P2PTransport(Transport):
     """Binary libp2p streams through a hivemind P2P instance (usually ``dht.replicate_p2p()``)."""
 
-    def __init__(self, p2p: P2P) -> None:
+    def __init__(self, p2p: P2P, meter: ByteMeter | None = None) -> None:
+        """``meter`` counts what is sent (shared by the handles of one process: its own by default)."""
         self._p2p = p2p
         self._protocols: list[str] = []
         self._rejections = rejection_log()
+        self._meter = meter if meter is not None else ByteMeter()
 
     @property
     def peer_id(self) -> str:
         return self._p2p.peer_id.to_base58()
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._meter.sent
 
     async def open(self, peer_id: str, protocol: str, *, timeout: float) -> FrameStream:
         try:
             reader, writer = await asyncio.wait_for(self._stream_open(peer_id, protocol), timeout)
         except Exception as e:
             raise PeerUnreachableError(f"cannot open {protocol} to {peer_id[:12]}: {e!r}") from e
-        return FrameStream(peer_id, reader, writer)
+        return FrameStream(peer_id, reader, writer, meter=self._meter)
 
     async def _stream_open(
         self, peer_id: str, protocol: str
@@ -321,7 +345,7 @@ class P2PTransport(Transport):
 
     async def serve(self, protocol: str, handler: StreamHandler, *, gate: StreamGate | None = None) -> None:
         async def on_stream(info, reader, writer) -> None:
-            stream = FrameStream(info.peer_id.to_base58(), reader, writer)
+            stream = FrameStream(info.peer_id.to_base58(), reader, writer, meter=self._meter)
             await run_handler(handler, stream, protocol, gate, self._rejections)
 
         await self._p2p.add_binary_stream_handler(protocol, on_stream)
@@ -348,6 +372,10 @@ class RateLimitedTransport(Transport):
     @property
     def peer_id(self) -> str:
         return self._inner.peer_id
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._inner.bytes_sent
 
     async def open(self, peer_id: str, protocol: str, *, timeout: float) -> FrameStream:
         stream = await self._inner.open(peer_id, protocol, timeout=timeout)

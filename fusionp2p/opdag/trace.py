@@ -22,7 +22,7 @@ import torch
 
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.ir import LOSS_ID, OpDag, OpNode
-from fusionp2p.opdag.spec import build_model, example_input, resolve_spec
+from fusionp2p.opdag.spec import build_model, example_input, resolve_spec, skeleton_model
 from fusionp2p.opdag.split import data_owner_nodes, graph_fingerprint
 from fusionp2p.records import ModelSpec
 
@@ -210,7 +210,7 @@ def trace_spec(spec: ModelSpec, registry: ModelRegistry | None = None, *, fake: 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
-        module = build_model(spec, registry)
+        module = skeleton_model(spec, registry)
         example = example_input(spec)
     return trace_module(module, [example], name=spec.family, strip_prefix=family.strip_prefix)
 

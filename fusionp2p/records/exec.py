@@ -30,6 +30,7 @@ __all__ = [
     "FETCHABLE",
     "MESSAGE_HEADER_LEN",
     "STEP_REPLY",
+    "WEIGHT_SOURCES",
     "ExecControl",
     "ExecHeader",
     "JobSetup",
@@ -120,13 +121,17 @@ def split_message(payload: bytes | bytearray) -> tuple[ExecHeader, bytes | bytea
     return header, body
 
 
+WEIGHT_SOURCES = ("seed", "owner")  # JobSetup.weights
+
+
 @dataclass(frozen=True)
 class JobSetup(WireRecord):
     """Everything a stage needs to build its executor: the body of a ``setup`` message."""
 
     KIND: ClassVar[str] = "job_setup"
     # 5: a msgpack record (it was JSON), stages' positions as node ranges (were runs)
-    VERSION: ClassVar[int] = 5
+    # 6: ``weights``: a stage makes its own initial tensors (a v5 stage would wait for them)
+    VERSION: ClassVar[int] = 6
     MAX_BYTES: ClassVar[int] = 16 << 20  # a peer reads at most its ExecLimits.control_bytes
 
     job: Annotated[str, Limit(64)]  # 1-64 letters, digits, '-' or '_'
@@ -148,9 +153,14 @@ class JobSetup(WireRecord):
     plan_version: Annotated[int, Range(0, _MAX_COUNTER)] = 1  # every OpData of the job names it
     epoch: Annotated[int, Range(0, _MAX_COUNTER)] = 0  # the coordinator epoch of the plan; 0: none
     ratio_warmup: RatioWarmup = NO_WARMUP  # Top-K ratios grow from 1 (dense) to the plan's
+    # where the stage's initial tensors come from: "seed" (made where it runs, from the spec's
+    # seed: opdag.init) or "owner" (the job's owner sends them, a checkpoint's, as "weights")
+    weights: str = "seed"
 
     def __post_init__(self) -> None:
         n = len(self.peers)
+        if self.weights not in WEIGHT_SOURCES:
+            raise RecordError(f"setup weights {self.weights!r:.40} is not one of {WEIGHT_SOURCES}")
         if not NAME_RE.match(self.job):
             raise RecordError(f"setup job {self.job!r:.80} is not 1-64 letters, digits, '-' or '_'")
         if not 1 <= n <= MAX_STAGES or len(self.node_ranges) != n:

@@ -58,7 +58,7 @@ class PeerRecord(WireRecord):
     device: str  # "cpu" or "cuda:N"
     device_name: str  # human-readable device model
     flops: dict[str, float]  # measured matmul FLOP/s per dtype ("float32", "bfloat16", ...)
-    memory_bytes: int  # free memory on the device at the last heartbeat
+    memory_bytes: int  # what one stage may use here at the last heartbeat: free memory, within --max-memory
     total_memory_bytes: int  # total memory on the device
     state: str  # one of PEER_STATES
     started_at: float  # DHT time the peer started

@@ -1,8 +1,11 @@
 """The data owner's pipeline driver: sets a job up on every stage and drives its iterations.
 
-The data owner traces the model from its spec, splits it (``opdag.split``), keeps the
-stage that reads the raw inputs and computes the loss, and sends every other stage its
-setup (spec, assignment, peers) and its initial weights as safetensors bytes. An
+The data owner traces the model from its spec under a fake tensor mode (nothing
+allocated), splits it (``opdag.split``), keeps the stage that reads the raw inputs and
+computes the loss, and sends every other stage its setup (spec, assignment, peers). Each
+stage makes its own initial tensors from the spec's seed (``opdag.init``), so no weights
+travel at setup and this process never holds another stage's tensors; only a restored
+checkpoint's tensors are sent, each stage its own, as safetensors chunks. An
 iteration injects each micro-batch's inputs locally; OpData then flows stage to stage
 and back; when the data owner's backward is done for every micro-batch it asks every
 stage to ``step``, and each one answers once its own backward finished and its
@@ -33,8 +36,10 @@ from fusionp2p.opdag.trace import TracedModel, trace_spec
 from fusionp2p.planning import RuntimeLayout
 from fusionp2p.records import CONTROL_REPLY_BYTES, FETCHABLE, STEP_REPLY, ExecControl, JobSetup, ModelSpec
 from fusionp2p.runtime.codec import ExecClient, unpack_message
+from fusionp2p.runtime.engines import check_stage_memory, memory_allowance, stage_initial
 from fusionp2p.runtime.job_setup import JobOptions, stage_setups
 from fusionp2p.runtime.losses import LOSSES
+from fusionp2p.runtime.memory import stage_memory
 from fusionp2p.runtime.service import ExecutorService, ServicePolicy
 from fusionp2p.runtime.stage_tensors import belongs_to_stage, check_checkpoint, chunks, restore_tensors
 from fusionp2p.runtime.torch_executor import TorchExecutor
@@ -69,7 +74,7 @@ def _positions(traced: TracedModel, layout: RuntimeLayout) -> tuple[int, ...]:
 def _trace_and_split(
     spec: ModelSpec, registry: ModelRegistry, layout: RuntimeLayout, expect_dag: str | None
 ) -> tuple[TracedModel, tuple[int, ...], Partition]:
-    traced = trace_spec(spec, registry)
+    traced = trace_spec(spec, registry, fake=True)
     if expect_dag is not None and traced.dag.fingerprint != expect_dag:
         raise ConfigError(
             f"the plan splits OP-DAG {expect_dag}, this model traced to {traced.dag.fingerprint}"
@@ -132,13 +137,15 @@ class PipelineDriver:
         must be the transport's). ``addresses[peer]`` are multiaddrs to dial a peer at.
         ``registry`` builds the model here (default: the built-in families, installed entry
         points and ``spec.family`` itself if it is an import path, since this process chose
-        it); every stage peer builds it from its own registry. ``initial_state`` (a
-        checkpoint: every tensor by name, optimizer state as ``name#key``) replaces the
-        traced initial weights on every stage, this one included.
+        it); every stage peer builds it from its own registry. Each stage makes its initial
+        tensors from ``spec.seed``; ``initial_state`` (a checkpoint: every tensor by name,
+        optimizer state as ``name#key``) replaces them on every stage, this one included,
+        each stage receiving its own part.
 
         Raises:
             ConfigError: a bad layout, options or model config, or a checkpoint that does
                 not match the model.
+            LimitError: this process's own stage needs more than ``options.max_memory``.
             ProtocolError / PeerUnreachableError: a stage refused its setup (the peer's
                 reason is in the message) or is unreachable.
         """
@@ -158,7 +165,23 @@ class PipelineDriver:
             logger.info("assignment adjusted: %d node(s) moved, e.g. %s", len(part.moved), part.moved[0])
         for note in part.moved:
             logger.debug("assignment adjusted: %s", note)
-        setups = stage_setups(spec, traced.dag.fingerprint, assignment, part, layout, options, addresses)
+        weights = "owner" if initial_state is not None else "seed"
+        setups = stage_setups(
+            spec, traced.dag.fingerprint, assignment, part, layout, options, addresses, weights=weights
+        )
+        own_names = part.params[data_stage]
+        need = stage_memory(
+            traced, part, data_stage, in_flight=setups[data_stage].in_flight, optimizer=options.optimizer
+        )
+        check_stage_memory(
+            need,
+            memory_allowance(options.max_memory),
+            f"the data owner's stage {data_stage} of job {options.job}",
+            "this data owner allows ([train] max_memory)",
+        )
+        initial = None
+        if initial_state is None:
+            initial = await asyncio.to_thread(stage_initial, spec, registry, own_names)
         executor = TorchExecutor(
             traced.program,
             part,
@@ -170,10 +193,12 @@ class PipelineDriver:
             ratios=dict(setups[data_stage].ratios),
             plan_version=options.plan_version,
             ratio_warmup=options.ratio_warmup,
+            materialize=False,
+            initial=initial,
         )
         if initial_state is not None:
             check_checkpoint(traced, part, initial_state)
-            own = restore_tensors(part.params[data_stage], initial_state)
+            own = restore_tensors(own_names, initial_state)
             await asyncio.to_thread(executor.load_state, safetensors.torch.save(own))
         policy = ServicePolicy(
             accept_setups=False, max_jobs=1, limits=options.limits, timeout=options.timeout
@@ -204,13 +229,13 @@ class PipelineDriver:
         return driver
 
     def _stage_tensors(self, stage: int, *, trainable_only: bool) -> dict[str, torch.Tensor]:
-        """A stage's tensors from this process's real trace: all of them (what the stage
-        starts from), or its trainable parameters (what fetch returns)."""
+        """A stage's tensors as shapes and dtypes (``meta`` tensors, from the fake trace):
+        all of them, or its trainable parameters (what fetch returns)."""
         program = self.traced.program
         state = {**getattr(program, "constants", {}), **program.state_dict}
         trainable = set(program.graph_signature.inputs_to_parameters.values())
         return {
-            name: state[name].detach().contiguous()
+            name: torch.empty(tuple(state[name].shape), dtype=state[name].dtype, device="meta")
             for name in self.partition.params[stage]
             if name in trainable or not trainable_only
         }
@@ -219,9 +244,9 @@ class PipelineDriver:
         body = self.setups[stage].to_wire()
         client = self._clients[stage]
         await client.request(ExecControl(command="setup", job=self.job, body_bytes=len(body)), body)
-        tensors = self._stage_tensors(stage, trainable_only=False)
-        if self._initial_state is not None:
-            tensors = restore_tensors(tensors, self._initial_state)
+        if self._initial_state is None:
+            return  # the stage made its own tensors
+        tensors = restore_tensors(self.partition.params[stage], self._initial_state)
         for chunk in chunks(tensors, self._limits.weights_chunk_bytes):
             data = safetensors.torch.save(chunk)
             await client.request(ExecControl(command="weights", job=self.job, body_bytes=len(data)), data)

@@ -4,28 +4,39 @@
 unknown family is refused, nothing is imported), traces the model under a fake tensor
 mode (nothing allocated), checks the data owner's graph fingerprint and what the stage
 needs against ``max_memory``, and only then allocates this stage's own tensors (never the
-whole model), for the data owner's weights to fill. Another engine plugs in as another
-function of the same signature (``ENGINES``).
+whole model): made here from the spec's seed (``opdag.init``), or empty for the job
+owner's weights (a checkpoint's) to fill. Another engine plugs in as another function of
+the same signature (``ENGINES``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+
+import torch
 
 from fusionp2p.config import format_bytes
 from fusionp2p.errors import ConfigError, LimitError
 from fusionp2p.opdag.families import ModelRegistry
-from fusionp2p.opdag.spec import resolve_spec
+from fusionp2p.opdag.spec import model_init, resolve_spec
 from fusionp2p.opdag.split import Partition, partition
 from fusionp2p.opdag.trace import TracedModel, trace_spec
-from fusionp2p.records import JobSetup
+from fusionp2p.records import JobSetup, ModelSpec
 from fusionp2p.runtime.device_profile import free_memory
 from fusionp2p.runtime.executor import Executor
 from fusionp2p.runtime.memory import StageMemory, stage_memory
 from fusionp2p.runtime.torch_executor import TorchExecutor
 
-__all__ = ["DEFAULT_MEMORY_FRACTION", "ENGINES", "BuildStage", "build_torch_stage", "memory_allowance"]
+__all__ = [
+    "DEFAULT_MEMORY_FRACTION",
+    "ENGINES",
+    "BuildStage",
+    "build_torch_stage",
+    "check_stage_memory",
+    "memory_allowance",
+    "stage_initial",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +60,31 @@ def _split(traced: TracedModel, setup: JobSetup) -> Partition:
     return partition(traced.program, setup.assignment, setup.n_stages, data_stage=setup.data_stage)
 
 
-def _check_memory(need: StageMemory, setup: JobSetup, allowed: int) -> None:
+def check_stage_memory(
+    need: StageMemory, allowed: int, what: str, who: str = "this peer allows (--max-memory)"
+) -> None:
+    """Raises LimitError naming ``what`` and ``who`` sets the limit, if ``need`` is over ``allowed``."""
     if need.total > allowed:
-        raise LimitError(
-            f"stage {setup.stage} of job {setup.job} ({setup.spec.family}) needs {need.describe()}, "
-            f"more than the {format_bytes(allowed)} this peer allows (--max-memory)"
+        raise LimitError(f"{what} needs {need.describe()}, more than the {format_bytes(allowed)} {who}")
+
+
+def stage_initial(spec: ModelSpec, registry: ModelRegistry, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """A stage's initial tensors ``names``, made here from ``spec``'s seed (``opdag.init``):
+    the same values on any peer, in any split, as the reference ``build_model``.
+
+    Raises:
+        ConfigError: the family's init cannot run one tensor at a time, or the trace has a
+            tensor the model does not (a constant made in ``forward``).
+    """
+    plan = model_init(spec, registry)
+    names = list(names)
+    unknown = sorted(set(names) - set(plan.names()))
+    if unknown:
+        raise ConfigError(
+            f"model {spec.family!r}: tensors {unknown[:3]} are not parameters or buffers of the model, "
+            "so no stage can make them on its own"
         )
+    return plan.tensors(names)
 
 
 def build_torch_stage(
@@ -63,13 +93,15 @@ def build_torch_stage(
     """This peer's stage of ``setup``, if its family is served here and it fits in memory.
 
     The model is traced fake (nothing allocated) and only this stage's tensors are
-    materialized on ``device``, empty, for the data owner's weights to fill. A model that
-    cannot be traced fake is refused: the real model is never built to find out its size.
+    materialized on ``device``: made from the spec's seed one at a time (``setup.weights ==
+    "seed"``), or empty for the owner's weights to fill. A model that cannot be traced fake
+    is refused: the real model is never built to find out its size.
 
     Raises:
         UnknownModelError: the family is not served by this peer.
         ConfigError: the config breaks the family's schema, the model cannot be traced
-            without allocating it, or the graph differs from the data owner's.
+            without allocating it, its init cannot run one tensor at a time, or the graph
+            differs from the data owner's.
         LimitError: the stage would need more memory than allowed.
     """
     family, _ = resolve_spec(setup.spec, registry)
@@ -85,7 +117,7 @@ def build_torch_stage(
         ) from None
     part = _split(traced, setup)
     need = stage_memory(traced, part, setup.stage, in_flight=setup.in_flight, optimizer=setup.optimizer)
-    _check_memory(need, setup, allowed)
+    check_stage_memory(need, allowed, f"stage {setup.stage} of job {setup.job} ({setup.spec.family})")
     logger.info(
         "stage %d of job %s (%s): needs about %s of the %s allowed",
         setup.stage,
@@ -93,6 +125,9 @@ def build_torch_stage(
         family.name,
         format_bytes(need.total),
         format_bytes(allowed),
+    )
+    initial = (
+        stage_initial(setup.spec, registry, part.params[setup.stage]) if setup.weights == "seed" else None
     )
     return TorchExecutor(
         traced.program,
@@ -103,6 +138,7 @@ def build_torch_stage(
         optimizer=setup.optimizer,
         ratios=dict(setup.ratios),
         materialize=False,
+        initial=initial,
         plan_version=setup.plan_version,
         device=device,
         ratio_warmup=setup.ratio_warmup,

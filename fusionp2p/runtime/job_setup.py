@@ -36,6 +36,7 @@ class JobOptions:
     expect_dag: str | None = None  # the OP-DAG fingerprint the plan was made for
     ratio_warmup: RatioWarmup = NO_WARMUP  # Top-K ratios grow from 1 (dense) to the layout's
     timeout: float = DEFAULT_TIMEOUTS.request  # one request to a stage
+    max_memory: int | None = None  # the data owner's own stage may need this much; None: 80% of free
     limits: ExecLimits = field(default_factory=ExecLimits)  # what this process accepts from stages
 
     def __post_init__(self) -> None:
@@ -65,11 +66,14 @@ def stage_setups(
     layout: RuntimeLayout,
     options: JobOptions,
     addresses: Mapping[str, Sequence[str]],
+    *,
+    weights: str = "seed",
 ) -> list[JobSetup]:
     """One setup per stage of ``layout``. ``assignment`` (a stage per OP-DAG position) is
     what the layout gave, before the split normalized it into ``part``: every stage
     normalizes it the same way, and a planned one is what the stage compares with the
     published plan. ``addresses[peer]`` are the multiaddrs other stages dial it at.
+    ``weights``: where every stage's initial tensors come from (``JobSetup.weights``).
 
     Raises:
         ConfigError: ``layout.in_flight`` is not one value in [1, n_micro_batches] per stage.
@@ -98,6 +102,7 @@ def stage_setups(
             plan_version=options.plan_version,
             epoch=options.epoch,
             ratio_warmup=options.ratio_warmup,
+            weights=weights,
         )
         for stage in range(part.n_stages)
     ]

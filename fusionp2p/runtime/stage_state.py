@@ -1,9 +1,10 @@
 """One stage's state: its parameters, buffers and constants, their optimizer, as safetensors.
 
-A data owner's stage (or a test's) takes its tensors from the real traced program. A
-peer's stage is built from a *fake* trace and materializes only its own tensors, empty,
-until the data owner's safetensors chunks fill them: no peer builds the whole model.
-Until every tensor arrived, ``missing`` names what is still to come.
+A test's stage takes its tensors from a real traced program. A peer's stage, the data
+owner's included, is built from a *fake* trace and holds only its own tensors: made where
+it runs (``opdag.init``, passed as ``initial``), or empty until its owner's safetensors
+chunks fill them (a checkpoint): no peer builds the whole model. Until every tensor
+arrived, ``missing`` names what is still to come.
 """
 
 from __future__ import annotations
@@ -45,16 +46,33 @@ class StageState:
         *,
         optimizer: OptimizerConfig,
         materialize: bool = True,
+        initial: Mapping[str, torch.Tensor] | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
+        """``materialize``: copy each tensor from ``program`` (a real trace). Otherwise a
+        tensor of ``initial`` (of the traced shape and dtype) is taken as it is, and the
+        others start empty, ``missing`` until ``load`` fills them.
+
+        Raises:
+            ValueError: a tensor of ``initial`` is not of its traced shape and dtype.
+        """
+        initial = initial or {}
         trainable = set(program.graph_signature.inputs_to_parameters.values())
         sources: Mapping[str, Any] = {**getattr(program, "constants", {}), **program.state_dict}
         self.tensors: dict[str, torch.Tensor] = {}
         self.params: dict[str, torch.nn.Parameter] = {}
         for name in names:
             source = sources[name]
+            given = initial.get(name)
             if materialize:
                 tensor = source.detach().clone().to(device)
+            elif given is not None:
+                if tuple(given.shape) != tuple(source.shape) or given.dtype != source.dtype:
+                    raise ValueError(
+                        f"initial {name}: {tuple(given.shape)}/{given.dtype}, traced "
+                        f"{tuple(source.shape)}/{source.dtype}"
+                    )
+                tensor = given.detach().to(device)
             else:  # shape and dtype from the fake trace; the values come from the data owner
                 tensor = torch.empty(tuple(source.shape), dtype=source.dtype, device=device)
             if name in trainable:
@@ -62,7 +80,7 @@ class StageState:
                 self.tensors[name] = self.params[name]
             else:
                 self.tensors[name] = tensor
-        self.missing: set[str] = set() if materialize else set(self.tensors)
+        self.missing: set[str] = set() if materialize else set(self.tensors) - set(initial)
         self._optimizer = _optimizer(optimizer, list(self.params.values()))
 
     def sizes(self) -> dict[str, int]:

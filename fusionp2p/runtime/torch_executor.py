@@ -77,12 +77,14 @@ class TorchExecutor(Executor):
         loss_fn: LossFn | None = None,
         ratios: Mapping[int, float] | None = None,
         materialize: bool = True,
+        initial: Mapping[str, torch.Tensor] | None = None,
         plan_version: int = 1,
         device: torch.device | str = "cpu",
         ratio_warmup: RatioWarmup = NO_WARMUP,
     ) -> None:
-        """``materialize=False``: ``program`` may be a fake trace; this stage's tensors start
-        empty and ``load_state`` fills them (``missing_state`` says what is still to come).
+        """``materialize=False``: ``program`` may be a fake trace; this stage's tensors are
+        ``initial``'s (made here: ``opdag.init``) or start empty, for ``load_state`` to fill
+        (``missing_state`` says what is still to come).
         ``ratios[stage]``: Top-K ratio of what this stage sends there, from iteration
         the end of ``ratio_warmup`` on; before it, dense at first, then geometrically harder."""
         if not 0 <= stage < partition.n_stages:
@@ -115,6 +117,7 @@ class TorchExecutor(Executor):
             sorted(mine),
             optimizer=optimizer or OptimizerConfig(),
             materialize=materialize,
+            initial=initial,
             device=self.device,
         )
         self._placeholder_state = {p: t for p, t in placeholders.items() if t in mine}

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from hivemind.utils import get_dht_time
 
-from fusionp2p.config import DEFAULT_TIMEOUTS, RatioWarmup
+from fusionp2p.config import DEFAULT_TIMEOUTS, RatioWarmup, format_bytes
 from fusionp2p.errors import ConfigError, CoordinatorError, FusionP2PError, LimitError, SwarmError
 from fusionp2p.net.connection import SwarmConnection
 from fusionp2p.opdag.families import ModelRegistry
@@ -145,8 +145,11 @@ class JobRun:
             loss=self.job.loss,
             epoch=submitted.epoch,
             ratio_warmup=RatioWarmup(self.job.ratio_warmup_steps, self.step),
+            max_memory=self.job.max_memory_bytes,
         )
         self.pipeline = None
+        transport = self.connection.call(self.connection.transport())
+        sent_before = transport.bytes_sent
         self.pipeline = self.connection.call(
             start_planned(
                 self.connection,
@@ -157,6 +160,7 @@ class JobRun:
                 initial_state=state,
             )
         )
+        setup_bytes = transport.bytes_sent - sent_before
         self.submitted = submitted
         self.running_id = submitted.run_id
         self.clock = self.job.step_clock(plan.expected_s)
@@ -164,10 +168,11 @@ class JobRun:
             "planned",
             f"plan version {self.version} (job {submitted.run_id}, epoch {submitted.epoch}, coordinator "
             f"{submitted.reply.coordinator[-8:]}): stages on {[p[-8:] for p in self.stage_peers]}, "
-            f"from step {self.step}",
+            f"from step {self.step}; {format_bytes(setup_bytes)} sent to set them up",
             step=self.step,
             plan_version=self.version,
             peers=self.stage_peers,
+            setup_bytes=setup_bytes,
             **submitted.facts(),
         )
 

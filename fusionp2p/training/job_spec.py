@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from fusionp2p.config import NAME_RE, PEER_ID_RE, OptimizerConfig
+from fusionp2p.config import NAME_RE, PEER_ID_RE, OptimizerConfig, parse_bytes
 from fusionp2p.errors import ConfigError
 from fusionp2p.planning.cost import PLANNED_MAX_RATIO
 from fusionp2p.records import COMPRESSIONS, MAX_MICRO_BATCHES, MAX_TOPK_RATIO, PLAN_METHODS, ModelSpec
@@ -67,6 +67,8 @@ max_ratio = 20.0               # "planned"/"uniform": no link is compressed hard
 plan_method = "op-fence"       # or a baseline, "equal-number" or "equal-computation" (with this
                                # compression), or one with its own: "equal-computation/none", ...
 checkpoint_every = 0           # steps between checkpoints; 0: chosen to cost <= 10% of the steps
+max_memory = ""                # the most this machine's own stage may need, e.g. "4GiB";
+                               # "": 80% of its free memory (its part of the model, not all of it)
 min_peers = 2                  # wait for this many idle peers before submitting
 wait_peers_s = 120             # how long to wait for them
 seed = 0                       # batch order
@@ -111,6 +113,7 @@ _TOML_FIELDS: dict[tuple[str, str], str] = {
     ("train", "max_ratio"): "max_ratio",
     ("train", "plan_method"): "plan_method",
     ("train", "checkpoint_every"): "checkpoint_every",
+    ("train", "max_memory"): "max_memory",
     ("train", "min_peers"): "min_peers",
     ("train", "wait_peers_s"): "wait_peers_s",
     ("train", "seed"): "data_seed",
@@ -193,6 +196,7 @@ class JobSpec:
     max_ratio: float = PLANNED_MAX_RATIO  # "planned": the hardest Top-K ratio on any link
     plan_method: str = "op-fence"
     checkpoint_every: int = 0  # 0: automatic, so that checkpoints cost <= 10% of the step time
+    max_memory: str = ""  # the data owner's own stage may need at most this ("4GiB"); "": 80% of free
     min_peers: int = 1
     wait_peers_s: float = 120.0
     data_seed: int = 0
@@ -247,6 +251,12 @@ class JobSpec:
                 f"[train] plan_method: must be one of {list(PLAN_METHODS)}, got {self.plan_method!r:.40}"
             )
         _check_int("checkpoint_every", self.checkpoint_every, 0, _MAX_STEPS)
+        if not isinstance(self.max_memory, str) or (
+            self.max_memory and (self.max_memory_bytes or 0) < 1 << 20
+        ):
+            raise ConfigError(
+                f'[train] max_memory: must be a size of at least 1MiB, or "", got {self.max_memory!r:.40}'
+            )
         _check_int("min_peers", self.min_peers, 1, 64)
         _check_float("wait_peers_s", self.wait_peers_s, 0.0, 86400.0)
         _check_int("data_seed", self.data_seed, 0, (1 << 63) - 1)
@@ -271,6 +281,18 @@ class JobSpec:
             OptimizerConfig(name=self.optimizer, lr=self.lr, weight_decay=self.weight_decay)
         except ConfigError as e:
             raise ConfigError(f"[train] optimizer: {e}") from e
+
+    @property
+    def max_memory_bytes(self) -> int | None:
+        """What the data owner's own stage may need (None: 80% of free memory at setup).
+
+        Raises:
+            ConfigError: ``max_memory`` is not a size.
+        """
+        try:
+            return parse_bytes(self.max_memory) if self.max_memory else None
+        except ConfigError as e:
+            raise ConfigError(f"[train] max_memory: {e}") from None
 
     @property
     def n_micro_batches(self) -> int:

@@ -18,6 +18,7 @@ from fusionp2p.net.probe import HIGH_RTT_S, probe_bytes, probe_link
 from fusionp2p.net.transport import Transport
 from fusionp2p.records import LinkRecord, PeerRecord
 from fusionp2p.runtime.device_profile import free_memory, profile_device
+from fusionp2p.runtime.engines import memory_allowance
 from fusionp2p.version import __version__
 
 __all__ = ["probe_from", "self_record"]
@@ -29,11 +30,15 @@ PROBE_PINGS = 3  # round trips per probe
 PROBE_CONFIG = ProbeConfig()  # how a second probe of a long-haul link is sized (net.probe.probe_bytes)
 
 
-def self_record(peer_id: str, device: str = "cpu", site: str = "") -> PeerRecord:
+def self_record(
+    peer_id: str, device: str = "cpu", site: str = "", max_memory: int | None = None
+) -> PeerRecord:
     """This process as a peer would publish itself (measured once per device, then cached),
-    in the declared ``site`` (``PeerRecord.site``)."""
+    in the declared ``site`` (``PeerRecord.site``), offering its stage at most
+    ``max_memory`` bytes (default: what a stage may use, 80% of free memory)."""
     profile = profile_device(device)
     free, total = free_memory(device)
+    free = min(free, memory_allowance(max_memory, device))
     now = get_dht_time()
     return PeerRecord(
         peer_id=peer_id,

@@ -155,7 +155,7 @@ async def submit_job(
     else:
         peers = await wait_for_peers(directory, job.min_peers, job.wait_peers_s, only=job.stage_peers)
     judge = LeaseJudge(allowed=frozenset(job.coordinators))
-    me = await asyncio.to_thread(self_record, transport.peer_id, site=site)
+    me = await asyncio.to_thread(self_record, transport.peer_id, site=site, max_memory=job.max_memory_bytes)
     attempt = _Attempt(transport, directory, job, traced, judge, me, run_id or new_run_id(job.name), timeout)
     caught: dict[str, PlanRefused] = {}  # coordinators whose reply this data owner refused
     loop = asyncio.get_running_loop()

@@ -1,0 +1,79 @@
+"""A model larger than any one peer: every peer, the data owner included, allows less
+memory than the model's training state, and the swarm trains it anyway, each stage making
+its own part (``opdag.init``), exactly as one process trains the whole model.
+
+Real peer processes (``LocalSwarm``) with ``--max-memory``, a real DHT and libp2p streams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from job_helpers import reference_losses
+
+from fusionp2p.config import OptimizerConfig, format_bytes
+from fusionp2p.launch import LocalSwarm
+from fusionp2p.opdag.split import op_node_names, partition
+from fusionp2p.opdag.trace import trace_spec
+from fusionp2p.runtime.memory import stage_memory
+from fusionp2p.swarm import Swarm
+from fusionp2p.training.job_spec import JobSpec
+from fusionp2p.training.supervision import EventLog
+
+GPT = {"vocab_size": 256, "n_positions": 32, "n_embd": 384, "n_layer": 12, "n_head": 6}  # 21M parameters
+PEER_LIMIT = 180 << 20  # each peer's --max-memory: under half of the model's training state
+OWNER_LIMIT = "64MiB"  # the data owner's own stage: its embeddings and the loss
+PEER_ARGS = ["--heartbeat", "1", "--record-ttl", "5", "--probe-period", "2", "--max-memory", str(PEER_LIMIT)]
+
+
+def _job(tmp: Path) -> JobSpec:
+    return JobSpec(
+        name="large-gpt",
+        model_config=dict(GPT),
+        seq_len=32,
+        max_bytes=200_000,
+        batch_size=2,
+        micro_batch_size=1,
+        lr=1e-3,
+        steps=10,
+        checkpoint_every=100,  # none during the run: this test is about setup and training
+        min_peers=3,
+        wait_peers_s=90.0,
+        deadline_s=120.0,
+        max_memory=OWNER_LIMIT,
+        out_dir=str(tmp),
+    )
+
+
+def _whole_model_need(job: JobSpec) -> int:
+    """Bytes one process training the whole model would need (one stage holding it all)."""
+    traced = trace_spec(job.model_spec(), fake=True)
+    ops = op_node_names(traced.program.graph)
+    whole = partition(traced.program, [0] * len(ops), 1, data_stage=0)
+    return stage_memory(traced, whole, 0, in_flight=job.n_micro_batches, optimizer=OptimizerConfig()).total
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
+    workdir = str(tmp_path_factory.mktemp("large"))
+    with LocalSwarm(3, swarm="large", workdir=workdir, peer_args=[PEER_ARGS] * 3) as swarm:
+        yield swarm
+
+
+def test_a_model_larger_than_every_peer_trains_exactly(local: LocalSwarm, tmp_path: Path) -> None:
+    job = _job(tmp_path)
+    need = _whole_model_need(job)
+    assert need > 2 * PEER_LIMIT and need > job.max_memory_bytes, "the model must fit in no one peer"
+    assert 3 * PEER_LIMIT + job.max_memory_bytes > need  # ... but in all of them together
+    with Swarm(local.initial_peers, swarm=local.swarm) as swarm:
+        result = swarm.train(job, progress=False, out=lambda *_: None)
+    events = EventLog.read(result.run_dir / "events.jsonl")
+    planned = next(e for e in events if e["event"] == "planned")
+    assert len(planned["peers"]) == 3, "no two peers can hold it"
+    # no weights left the data owner at setup: only the stages' setups (a few KiB each)
+    weights = 4 * 21_000_000
+    assert 0 < planned["setup_bytes"] < 64 << 10, format_bytes(planned["setup_bytes"])
+    assert planned["setup_bytes"] < weights / 1000
+    assert result.losses == pytest.approx(reference_losses(job), rel=1e-4, abs=1e-5)
