@@ -28,10 +28,10 @@ def peer_record(peer_id: str, state: str = "training") -> PeerRecord:
     )
 
 
-def reference_losses(job: JobSpec) -> list[float]:
-    """The same job trained in this one process."""
+def reference_losses(job: JobSpec, model: torch.nn.Module | None = None) -> list[float]:
+    """The same job trained in this one process (from ``model``'s weights if given)."""
     spec = job.model_spec()
-    model = build_model(spec, ModelRegistry())
+    model = model if model is not None else build_model(spec, ModelRegistry())
     opt_cfg = job.optimizer_config
     opt = torch.optim.AdamW(
         model.parameters(),

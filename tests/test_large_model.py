@@ -11,12 +11,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from job_helpers import reference_losses
 
 from fusionp2p.config import OptimizerConfig, format_bytes
 from fusionp2p.launch import LocalSwarm
+from fusionp2p.opdag.spec import build_model
 from fusionp2p.opdag.split import op_node_names, partition
 from fusionp2p.opdag.trace import trace_spec
+from fusionp2p.records import ModelSpec
 from fusionp2p.runtime.memory import stage_memory
 from fusionp2p.swarm import Swarm
 from fusionp2p.training.job_spec import JobSpec
@@ -77,3 +80,22 @@ def test_a_model_larger_than_every_peer_trains_exactly(local: LocalSwarm, tmp_pa
     assert 0 < planned["setup_bytes"] < 64 << 10, format_bytes(planned["setup_bytes"])
     assert planned["setup_bytes"] < weights / 1000
     assert result.losses == pytest.approx(reference_losses(job), rel=1e-4, abs=1e-5)
+
+
+def test_a_save_pretrained_directory_is_fine_tuned_from_its_weights(
+    local: LocalSwarm, tmp_path: Path
+) -> None:
+    small = {"vocab_size": 256, "n_positions": 32, "n_embd": 64, "n_layer": 3, "n_head": 2}
+    job = _job(tmp_path).with_(name="tuned-gpt", model_config=small, steps=3, max_memory="", min_peers=2)
+    saved = build_model(ModelSpec("gpt2", small, seed=77))  # not the job's seed: loading must matter
+    with torch.no_grad():
+        for param in saved.parameters():
+            param.add_(0.01)
+    saved.model.save_pretrained(tmp_path / "pretrained", max_shard_size="200KB")  # sharded, with an index
+    job = job.with_(pretrained=str(tmp_path / "pretrained"))
+    with Swarm(local.initial_peers, swarm=local.swarm) as swarm:
+        result = swarm.train(job, progress=False, out=lambda *_: None)
+    want = reference_losses(job, model=saved)
+    assert result.losses[0] == pytest.approx(want[0], rel=1e-5)  # the saved model's loss on that batch
+    assert result.losses == pytest.approx(want, rel=1e-4, abs=1e-5)
+    assert result.losses[0] != pytest.approx(reference_losses(job)[0], rel=1e-3)  # the seed's is another

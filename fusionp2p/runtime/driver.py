@@ -19,7 +19,7 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import safetensors.torch
 import torch
@@ -40,6 +40,7 @@ from fusionp2p.runtime.engines import check_stage_memory, memory_allowance, stag
 from fusionp2p.runtime.job_setup import JobOptions, stage_setups
 from fusionp2p.runtime.losses import LOSSES
 from fusionp2p.runtime.memory import stage_memory
+from fusionp2p.runtime.pretrained import PretrainedWeights, SavedTensor, saved_tensors
 from fusionp2p.runtime.service import ExecutorService, ServicePolicy
 from fusionp2p.runtime.stage_tensors import belongs_to_stage, check_checkpoint, chunks, restore_tensors
 from fusionp2p.runtime.torch_executor import TorchExecutor
@@ -110,6 +111,7 @@ class PipelineDriver:
         self._limits = limits
         self._input_name = next(s for s in part.segments if s.kind == "source").nodes[0]
         self._initial_state = initial_state
+        self._pretrained: tuple[PretrainedWeights, dict[str, SavedTensor]] | None = None
 
     @property
     def job(self) -> str:
@@ -130,6 +132,7 @@ class PipelineDriver:
         addresses: Mapping[str, Sequence[str]] | None = None,
         registry: ModelRegistry | None = None,
         initial_state: Mapping[str, torch.Tensor] | None = None,
+        pretrained: PretrainedWeights | None = None,
     ) -> PipelineDriver:
         """Traces and splits the model, and sets up every stage.
 
@@ -140,7 +143,9 @@ class PipelineDriver:
         it); every stage peer builds it from its own registry. Each stage makes its initial
         tensors from ``spec.seed``; ``initial_state`` (a checkpoint: every tensor by name,
         optimizer state as ``name#key``) replaces them on every stage, this one included,
-        each stage receiving its own part.
+        each stage receiving its own part. Without one, ``pretrained`` weights (checked
+        before any stage hears of the job) replace each stage's saved tensors, read here one
+        at a time and sent to their stage only.
 
         Raises:
             ConfigError: a bad layout, options or model config, or a checkpoint that does
@@ -182,6 +187,10 @@ class PipelineDriver:
         initial = None
         if initial_state is None:
             initial = await asyncio.to_thread(stage_initial, spec, registry, own_names)
+        saved: dict[str, SavedTensor] = {}  # the tensors a pretrained model replaces
+        if pretrained is not None and initial_state is None:
+            saved = saved_tensors(traced.program)
+            await asyncio.to_thread(pretrained.check, saved)
         executor = TorchExecutor(
             traced.program,
             part,
@@ -200,6 +209,10 @@ class PipelineDriver:
             check_checkpoint(traced, part, initial_state)
             own = restore_tensors(own_names, initial_state)
             await asyncio.to_thread(executor.load_state, safetensors.torch.save(own))
+        elif pretrained is not None and saved:
+            mine = [n for n in own_names if n in saved]
+            for chunk in chunks(pretrained.read(mine, saved), options.limits.weights_chunk_bytes):
+                await asyncio.to_thread(executor.load_state, safetensors.torch.save(chunk))
         policy = ServicePolicy(
             accept_setups=False, max_jobs=1, limits=options.limits, timeout=options.timeout
         )
@@ -211,6 +224,7 @@ class PipelineDriver:
             if s != data_stage
         }
         driver = cls(service, executor, traced, part, setups, clients, options.limits, initial_state)
+        driver._pretrained = (pretrained, saved) if pretrained is not None and saved else None
         try:
             for s, peer_id in enumerate(layout.peers):
                 if s != data_stage and addresses.get(peer_id):
@@ -244,10 +258,17 @@ class PipelineDriver:
         body = self.setups[stage].to_wire()
         client = self._clients[stage]
         await client.request(ExecControl(command="setup", job=self.job, body_bytes=len(body)), body)
-        if self._initial_state is None:
+        if self._initial_state is not None:
+            tensors: Iterable[tuple[str, torch.Tensor]] = restore_tensors(
+                self.partition.params[stage], self._initial_state
+            ).items()
+        elif self._pretrained is not None:  # read one tensor at a time, sent in bounded chunks
+            source, saved = self._pretrained
+            tensors = source.read([n for n in self.partition.params[stage] if n in saved], saved)
+        else:
             return  # the stage made its own tensors
-        tensors = restore_tensors(self.partition.params[stage], self._initial_state)
-        for chunk in chunks(tensors, self._limits.weights_chunk_bytes):
+        pieces = iter(chunks(tensors, self._limits.weights_chunk_bytes))
+        while (chunk := await asyncio.to_thread(next, pieces, None)) is not None:
             data = safetensors.torch.save(chunk)
             await client.request(ExecControl(command="weights", job=self.job, body_bytes=len(data)), data)
 

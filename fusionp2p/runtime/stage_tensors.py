@@ -15,11 +15,14 @@ from fusionp2p.runtime.stage_state import OPTIMIZER_KEYS, OPTIMIZER_SEPARATOR
 __all__ = ["belongs_to_stage", "check_checkpoint", "chunks", "restore_tensors"]
 
 
-def chunks(tensors: Mapping[str, torch.Tensor], limit: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Groups tensors into chunks of at most ``limit`` bytes (a larger tensor goes alone)."""
+def chunks(
+    tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], limit: int
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Groups tensors (a mapping, or named tensors read one at a time) into chunks of at
+    most ``limit`` bytes (a larger tensor goes alone)."""
     chunk: dict[str, torch.Tensor] = {}
     size = 0
-    for name, tensor in tensors.items():
+    for name, tensor in tensors.items() if isinstance(tensors, Mapping) else tensors:
         nbytes = tensor.numel() * tensor.element_size()
         if chunk and size + nbytes > limit:
             yield chunk

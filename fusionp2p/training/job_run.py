@@ -37,6 +37,7 @@ from fusionp2p.planning import PlanningError
 from fusionp2p.planning.calibrate import calibrate
 from fusionp2p.records import RUN_EVENT_CHARS, RUN_EVENTS, RunStatusRecord
 from fusionp2p.runtime.job_setup import JobOptions
+from fusionp2p.runtime.pretrained import PretrainedWeights
 from fusionp2p.training.batches import Batch, TrainingData
 from fusionp2p.training.checkpoint import Checkpoint, save_checkpoint
 from fusionp2p.training.job_spec import JobSpec
@@ -97,6 +98,8 @@ class JobRun:
         self._batches: Iterator[Batch] = iter(())
         self.loss = 0.0
         self._reported = 0.0
+        # the weights a run without a checkpoint starts from (each stage gets only its own)
+        self.pretrained = PretrainedWeights(job.pretrained) if job.pretrained else None
         events.on_event = lambda _: self.report(force=True)
 
     # ------------------------------------------------------------------ plans
@@ -158,6 +161,7 @@ class JobRun:
                 options,
                 registry=self.registry,
                 initial_state=state,
+                pretrained=self.pretrained if state is None else None,
             )
         )
         setup_bytes = transport.bytes_sent - sent_before

@@ -34,7 +34,9 @@ name = "stdlib-gpt"            # job id: 1-64 letters, digits, '-' or '_'
 
 [model]
 family = "gpt2"                # gpt2, llama, mistral, qwen2, gpt_neox, or one the peers allow
-seed = 0                       # initial weights come from this seed
+seed = 0                       # initial weights come from this seed (each stage makes its own)
+pretrained = ""                # or start from these: a save_pretrained directory or a .safetensors
+                               # file on this machine (each stage receives only its tensors)
 
 [model.config]                 # the family's config keys (checked against its schema)
 vocab_size = 256               # the byte-level tokenizer needs >= 256
@@ -96,6 +98,7 @@ _TOML_FIELDS: dict[tuple[str, str], str] = {
     ("model", "family"): "family",
     ("model", "seed"): "model_seed",
     ("model", "config"): "model_config",
+    ("model", "pretrained"): "pretrained",
     ("data", "kind"): "data_kind",
     ("data", "path"): "data_path",
     ("data", "image_size"): "image_size",
@@ -179,6 +182,7 @@ class JobSpec:
     family: str = "gpt2"
     model_config: dict[str, Any] = field(default_factory=_default_model)
     model_seed: int = 0
+    pretrained: str = ""  # a save_pretrained directory or .safetensors file to start from; "": the seed
     data_kind: str = "text"  # or "digits": images and labels, a classification loss
     data_path: str = ""  # text file or directory on the data owner; "" = the stdlib's source
     image_size: int = 32
@@ -219,6 +223,8 @@ class JobSpec:
         if not isinstance(self.model_config, dict):
             raise ConfigError("[model.config]: must be a table of the family's config keys")
         _check_int("model_seed", self.model_seed, 0, (1 << 63) - 1)
+        if not isinstance(self.pretrained, str):
+            raise ConfigError(f"[model] pretrained: must be a path, got {self.pretrained!r:.40}")
         if self.data_kind not in DATA_KINDS:
             raise ConfigError(f"[data] kind: must be one of {list(DATA_KINDS)}, got {self.data_kind!r:.40}")
         _check_int("image_size", self.image_size, 8, 1024)

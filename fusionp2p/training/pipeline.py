@@ -24,6 +24,7 @@ from fusionp2p.planning.estimate import Estimate
 from fusionp2p.records import ModelSpec, PeerRecord
 from fusionp2p.runtime.driver import PipelineDriver
 from fusionp2p.runtime.job_setup import JobOptions
+from fusionp2p.runtime.pretrained import PretrainedWeights
 
 __all__ = ["Pipeline", "start_fixed", "start_planned"]
 
@@ -129,9 +130,11 @@ async def start_planned(
     *,
     registry: ModelRegistry | None = None,
     initial_state: Tensors | None = None,
+    pretrained: PretrainedWeights | None = None,
 ) -> Pipeline:
     """Sets ``plan`` up with this process as its data owner (``Plan.layout``); every OpData
-    of the job names the plan's version.
+    of the job names the plan's version. The stages start from ``initial_state`` (a
+    checkpoint), else from ``pretrained`` weights, else from the spec's seed.
 
     Raises:
         ConfigError: ``options`` are for another micro-batch count than the plan's, or the
@@ -158,6 +161,7 @@ async def start_planned(
         addresses={p: live[p].maddrs for p in layout.peers[1:]},
         registry=registry,
         initial_state=initial_state,
+        pretrained=pretrained,
     )
     return Pipeline(connection, driver, [live[p] for p in layout.peers[1:]], plan=plan)
 
