@@ -19,7 +19,7 @@ import signal
 import sys
 from pathlib import Path
 
-from fusionp2p.cli_jobs import add_train_parser, cmd_train
+from fusionp2p.cli_jobs import add_export_parser, add_train_parser, cmd_export, cmd_train
 from fusionp2p.cli_swarm import cmd_local, cmd_plan, cmd_status
 from fusionp2p.config import DEFAULT_SWARM, ExecLimits, PeerConfig, ProbeConfig, TraceBudget, parse_bytes
 from fusionp2p.errors import ConfigError, FusionP2PError
@@ -88,6 +88,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     peer.add_argument(
         "--identity", metavar="PATH", help="identity key file (created if missing) for a stable PeerID"
+    )
+    peer.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="where this peer keeps its stages' checkpoint shards and replicas of others' "
+        "(default: ~/.cache/fusionp2p/shards/<PeerID>)",
     )
     peer.add_argument(
         "--device",
@@ -218,6 +224,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     status.add_argument("--json", action="store_true", help="machine-readable output")
 
     add_train_parser(sub, _add_swarm_args)
+    add_export_parser(sub, _add_swarm_args)
 
     plan = sub.add_parser("plan", help="plan a model on a swarm file and compare with the baselines")
     plan.add_argument("--swarm-file", required=True, help="`fusionp2p status --json` output (or same shape)")
@@ -346,6 +353,7 @@ def _peer_config(args: argparse.Namespace) -> PeerConfig:
         allow_models=tuple(args.allow_model),
         max_memory_bytes=args.max_memory,
         max_jobs=args.max_jobs,
+        checkpoint_dir=args.checkpoint_dir,
         accept_jobs_from=tuple(args.accept_jobs_from),
         accept_unplanned_from=tuple(args.accept_unplanned_from),
         coordinator=not args.no_coordinator,
@@ -379,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         "plan": cmd_plan,
         "local": cmd_local,
         "train": cmd_train,
+        "export": cmd_export,
     }
     try:
         return handlers[args.command](args)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from fusionp2p.opdag.families import ModelRegistry
     from fusionp2p.training.job_spec import JobSpec
 
-__all__ = ["add_train_parser", "cmd_train", "format_jobs", "format_runs"]
+__all__ = ["add_export_parser", "add_train_parser", "cmd_export", "cmd_train", "format_jobs", "format_runs"]
 
 
 def add_train_parser(sub: Any, add_swarm_args: Any) -> None:
@@ -56,6 +56,34 @@ def add_train_parser(sub: Any, add_swarm_args: Any) -> None:
         help="go on from the latest checkpoint of the job's newest run under its [output] dir "
         "(after this data owner was lost)",
     )
+
+
+def add_export_parser(sub: Any, add_swarm_args: Any) -> None:
+    """Registers ``export`` on the CLI's subparsers."""
+    export = sub.add_parser(
+        "export",
+        help="write a run's weights from the shards its stages keep (a save_pretrained directory)",
+    )
+    add_swarm_args(export)
+    export.add_argument(
+        "run_dir", metavar="RUN_DIR", help="the run's directory (<[output] dir>/<name>/<run id>)"
+    )
+    export.add_argument("--out", required=True, metavar="DIR", help="where to write the weights")
+    export.add_argument(
+        "--allow-model", action="append", default=[], metavar="MODULE:FACTORY", help="as for train"
+    )
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """``fusionp2p export``: returns the exit code (errors propagate as FusionP2PError)."""
+    from fusionp2p.opdag.families import ModelRegistry
+    from fusionp2p.swarm import Swarm
+
+    if not args.initial_peers:
+        raise ConfigError("export reads the shards from the swarm: it needs --initial-peers MADDR")
+    with Swarm(args.initial_peers, swarm=args.swarm) as swarm:
+        swarm.export(args.run_dir, args.out, registry=ModelRegistry(allow=args.allow_model))
+    return 0
 
 
 def _load_job(args: argparse.Namespace) -> Any:
@@ -116,6 +144,7 @@ def _train(args: argparse.Namespace, job: JobSpec, registry: ModelRegistry) -> N
         from fusionp2p.launch import LocalSwarm
 
         print(f"starting a local swarm of {args.local} peers on loopback...", flush=True)
+        job = job.with_(weights="gather")  # the local peers, and the shards they keep, end with the command
         fast = ["--heartbeat", "2", "--record-ttl", "10", "--probe-period", "3", "--lease-seconds", "6"]
         with (
             LocalSwarm(args.local, peer_args=[fast] * args.local, log_level="warning") as local,

@@ -124,6 +124,8 @@ class LocalSwarm:
             self.host_maddrs[index],
             "--identity",
             str(self.workdir / f"peer{index}.key"),
+            "--checkpoint-dir",
+            str(self.workdir / f"peer{index}-shards"),
             "--ready-file",
             str(ready_path),
             "--exit-with-parent",
@@ -219,6 +221,8 @@ class LocalSwarm:
             return
         for key in self.workdir.glob("*.key"):
             key.unlink(missing_ok=True)
+        for shards in self.workdir.glob("*-shards"):  # checkpoint shards are no log, and large
+            shutil.rmtree(shards, ignore_errors=True)
         logger.warning("the peers' logs are kept in %s", self.workdir)
 
     def __enter__(self) -> LocalSwarm:

@@ -41,6 +41,7 @@ from fusionp2p.records import MAX_LINKS_PER_PEER, PROBE_PROTOCOL, JobSetup, Peer
 from fusionp2p.runtime.device_profile import DeviceProfile, free_memory, profile_device, resolve_device
 from fusionp2p.runtime.engines import memory_allowance
 from fusionp2p.runtime.service import ExecutorService, ServicePolicy
+from fusionp2p.runtime.shard_store import default_shard_dir
 from fusionp2p.version import __version__
 
 __all__ = ["Peer"]
@@ -141,6 +142,7 @@ class Peer:
             await transport.serve(PROBE_PROTOCOL, peer._serve_probe, gate=gate)
             policy = ServicePolicy(
                 max_jobs=config.max_jobs,
+                shard_dir=config.checkpoint_dir or default_shard_dir(peer.peer_id),
                 accept_jobs_from=frozenset(config.accept_jobs_from),
                 max_memory_bytes=config.max_memory_bytes,
                 limits=limits,

@@ -14,6 +14,7 @@ and drives pipelines by hand.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from fusionp2p.coordination.election import LeaseJudge, read_lease
@@ -104,3 +105,12 @@ class Swarm(SwarmConnection):
             ConfigError, SwarmError, CoordinatorError, ProtocolError: see ``DataOwner.train``.
         """
         return self.data_owner().train(job, **kwargs)
+
+    def export(self, run_dir: str | Path, out_dir: str | Path, **kwargs: Any) -> Path:
+        """Writes a finished or checkpointed run's weights, read peer to peer from the shards
+        its stages keep, into ``out_dir`` (``DataOwner.export``).
+
+        Raises:
+            ConfigError, ProtocolError: see ``DataOwner.export``.
+        """
+        return self.data_owner().export(run_dir, out_dir, **kwargs)

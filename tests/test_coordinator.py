@@ -88,7 +88,7 @@ def client(local: LocalSwarm) -> Iterator[Swarm]:
 def test_a_job_is_planned_by_the_coordinator_and_trains_like_one_process(
     client: Swarm, local: LocalSwarm, tmp_path: Path
 ) -> None:
-    job = _job(tmp_path, steps=50, min_peers=4, checkpoint_every=25)
+    job = _job(tmp_path, steps=50, min_peers=4, checkpoint_every=25, weights="gather")
     result = client.train(job, progress=False, out=lambda *_: None)
     losses = result.losses
     assert len(losses) == 50
@@ -116,8 +116,20 @@ def test_a_job_is_planned_by_the_coordinator_and_trains_like_one_process(
     # what a user gets on disk
     rows = (result.run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 50 and '"loss"' in rows[0]
-    assert (result.run_dir / "checkpoints" / "step-000025.safetensors").is_file() and result.weights.is_file()
+    manifests = sorted(p.name for p in (result.run_dir / "checkpoints").iterdir())
+    assert manifests == ["step-000025.json", "step-000050.json"]  # the final state is a checkpoint too
+    assert result.weights is not None and result.weights.is_file()
     assert result.pretrained is not None and (result.pretrained / "config.json").is_file()
+    # the stages keep the final weights: exported peer to peer, they load with from_pretrained
+    exported = client.export(result.run_dir, tmp_path / "exported", out=lambda *_: None)
+    import transformers
+    from safetensors.torch import load_file
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(exported))
+    gathered = load_file(str(result.weights))
+    got = dict(model.named_parameters(remove_duplicate=False))
+    for name, tensor in gathered.items():
+        assert torch.equal(got[name.removeprefix("model.")], tensor), name
     assert len(result.stage_seconds) == len(set(submitted.plan.peer_ids))  # the data owner is one of them
 
 

@@ -374,7 +374,9 @@ _GOOD = JobSetup(
 ).to_body()
 _WRONG = [None, True, -1, 2**64 - 1, 1.5, "x" * 300, [], [[]], {}, {"a": [1]}, "../../etc"]
 # a wrong value that decodes as the field's default: a config map missing every key
-_HARMLESS = {("ratios", "[]")} | {(k, v) for k in ("optimizer", "ratio_warmup") for v in ("{}", "{'a': [1]}")}
+_HARMLESS = {("ratios", "[]"), ("restore", "[]")} | {
+    (k, v) for k in ("optimizer", "ratio_warmup") for v in ("{}", "{'a': [1]}")
+}
 
 
 def _setup(body: dict) -> JobSetup:

@@ -13,9 +13,14 @@ from job_helpers import peer_record
 
 from fusionp2p.config import OptimizerConfig
 from fusionp2p.errors import ConfigError, ProtocolError, RecordError
-from fusionp2p.records import JobRequest, ModelSpec
+from fusionp2p.records import JobRequest, ModelSpec, ShardReport
 from fusionp2p.runtime.stage_state import StageState
-from fusionp2p.training.checkpoint import latest_checkpoint, list_checkpoints, save_checkpoint
+from fusionp2p.training.checkpoint import (
+    choose_replicas,
+    latest_checkpoint,
+    list_checkpoints,
+    save_checkpoint,
+)
 from fusionp2p.training.job_spec import JobSpec
 from fusionp2p.training.supervision import CheckpointPolicy, EventLog, StepClock
 
@@ -73,17 +78,35 @@ def test_the_automatic_checkpoint_period_keeps_checkpoints_under_a_tenth_of_the_
     assert auto.period == 50  # bounded: at most 50 steps are ever redone
 
 
-def test_checkpoints_are_tagged_and_only_the_last_two_kept(tmp_path: Path) -> None:
-    state = {"w": torch.arange(4.0), "w#exp_avg": torch.ones(4)}
+def test_checkpoints_are_tagged_manifests_and_only_the_last_two_kept(tmp_path: Path) -> None:
+    a, b = "Qm" + "a" * 44, "Qm" + "b" * 44
+    shards = [
+        ShardReport("v1-s0", 100, (("w", "1" * 64),), (a,)),
+        ShardReport("v1-s1", 200, (("v", "2" * 64), ("v#exp_avg", "3" * 64)), (b, a)),
+    ]
     for step in (5, 10, 15):
-        save_checkpoint(tmp_path, step, state, plan_version=step // 5, epoch=3)
+        save_checkpoint(tmp_path, step, shards, plan_version=step // 5, epoch=3, data_owner=a)
     found = list_checkpoints(tmp_path)
     assert [c.step for c in found] == [10, 15] and [c.plan_version for c in found] == [2, 3]
     latest = latest_checkpoint(tmp_path)
-    assert latest is not None and latest.epoch == 3 and torch.equal(latest.load()["w"], state["w"])
-    (tmp_path / "checkpoints" / "step-000020.safetensors").write_bytes(b"torn")  # a crash mid-write elsewhere
+    assert latest is not None and latest.epoch == 3
+    restore = latest.restore()
+    assert restore.step == 15 and list(restore.shards) == shards  # holders and digests, no tensor
+    z = "Qm" + "z" * 44  # a resumed data owner, with another PeerID, holds its run directory's shards
+    assert [r.holders for r in latest.restore(data_owner=z).shards] == [(z,), (b, z)]
+    (tmp_path / "checkpoints" / "step-000020.json").write_text("{torn")  # a crash mid-write elsewhere
     assert latest_checkpoint(tmp_path) == latest
     assert latest_checkpoint(tmp_path / "nothing") is None
+    (tmp_path / "checkpoints" / "step-000015.json").write_text('{"step": 15, "plan_version": 3, "epoch": 3}')
+    with pytest.raises(ConfigError, match="cannot be read"):
+        latest_checkpoint(tmp_path).restore()
+
+
+def test_replicas_go_to_the_fastest_other_stage_peer() -> None:
+    owners = {1: "A", 2: "B", 3: "C"}
+    bandwidth = {("A", "B"): 1.0, ("A", "C"): 5.0, ("B", "A"): 3.0, ("B", "C"): 2.0, ("C", "A"): 1.0}
+    assert choose_replicas(owners, bandwidth, "D") == {1: "C", 2: "A", 3: "A"}  # C->B unmeasured: 0
+    assert choose_replicas({1: "A"}, {}, "D") == {1: "D"}  # a lone stage peer copies to the data owner
 
 
 def _stage() -> tuple[StageState, torch.export.ExportedProgram]:

@@ -23,6 +23,11 @@ from fusionp2p.records import (
     PeerRecord,
     PlanStageRecord,
     RunStatusRecord,
+    ShardGrant,
+    ShardOrder,
+    ShardReport,
+    ShardRequest,
+    ShardSource,
     TopKHeader,
     WireRecord,
     decode_record,
@@ -154,6 +159,10 @@ _LINK = LinkRecord(src=A, dst=B, bandwidth_bytes_per_s=1.25e7, rtt_s=0.02, measu
 _SPEC = ModelSpec("gpt2", {"n_layer": 2, "n_embd": 8, "n_head": 2, "activation_function": "gelu"}, (2, 8))
 
 
+_DIGEST, _NS = "d" * 64, "e" * 64
+_SOURCE = ShardSource(_NS, "job-1", 10, "v3-s1", (A, B), (("w", "d" * 64),))
+
+
 def _examples() -> list[WireRecord]:
     """One valid record of every kind a peer sends or stores."""
     peer = make_peer(peer_id=A, site="eu-1", topk_codec_s={"send_element_s": 1e-9})
@@ -184,7 +193,16 @@ def _examples() -> list[WireRecord]:
             plan_version=3,
             epoch=3,
             ratio_warmup=RatioWarmup(100, 7),
+            weights="shards",
+            run="job-1",
+            shard_ns=_NS,
+            restore=(_SOURCE,),
         ),
+        ShardOrder(10, "v3-s1", replica=B),
+        ShardReport("v3-s1", 4096, (("w", _DIGEST), ("w#exp_avg", _DIGEST)), (A, B)),
+        ShardGrant(b"s" * 32, "job-1", 10, "v3-s1", (A,)),
+        ShardRequest(_NS, "job-1", 10, "v3-s1", ("w", "w#exp_avg")),
+        _SOURCE,
         JobRequest(
             "job-1-p2",
             _SPEC,

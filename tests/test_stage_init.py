@@ -19,51 +19,15 @@ from fusionp2p.opdag.spec import build_model, model_init
 from fusionp2p.records import ModelSpec
 from fusionp2p.runtime.engines import stage_initial
 
+_DECODER = {"vocab_size": 97, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2}
 FAMILIES = [
     ModelSpec("gpt2", {"vocab_size": 97, "n_positions": 16, "n_embd": 32, "n_layer": 3, "n_head": 2}, seed=3),
     ModelSpec(
         "llama",
-        {
-            "vocab_size": 97,
-            "hidden_size": 32,
-            "intermediate_size": 48,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "pad_token_id": 5,
-        },
+        {**_DECODER, "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 5},
         seed=4,
     ),
-    ModelSpec(
-        "mistral",
-        {
-            "vocab_size": 97,
-            "hidden_size": 32,
-            "intermediate_size": 48,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-        },
-    ),
-    ModelSpec(
-        "qwen2",
-        {
-            "vocab_size": 97,
-            "hidden_size": 32,
-            "intermediate_size": 48,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-        },
-    ),
-    ModelSpec(
-        "gpt_neox",
-        {
-            "vocab_size": 97,
-            "hidden_size": 32,
-            "intermediate_size": 48,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-        },
-    ),
+    *(ModelSpec(f, {**_DECODER, "num_attention_heads": 2}) for f in ("mistral", "qwen2", "gpt_neox")),
     ModelSpec(
         "resnet",
         {"depth": 18, "width": 8, "num_classes": 10},

@@ -94,9 +94,10 @@ def _needs_drain(writer: asyncio.StreamWriter) -> bool:
 
 @dataclass
 class ByteMeter:
-    """Bytes of frames (headers included) sent on a transport's streams, both ways opened."""
+    """Bytes of frames (headers included) sent and received on a transport's streams."""
 
     sent: int = 0
+    received: int = 0
 
 
 class FrameStream:
@@ -166,19 +167,28 @@ class FrameStream:
         self, *, max_payload: int, timeout: float, stall_timeout: float | None = None
     ) -> tuple[FrameKind, bytes | bytearray]:
         """Receives one frame (see ``read_frame`` for errors)."""
-        return await read_frame(
+        kind, payload = await read_frame(
             self._reader, max_payload=max_payload, timeout=timeout, stall_timeout=stall_timeout
         )
+        if self._meter is not None:
+            self._meter.received += HEADER.size + len(payload)
+        return kind, payload
 
     async def recv_header(self, *, timeout: float) -> tuple[FrameKind, int]:
         """The next frame's kind and declared length; its payload is still to be read."""
-        return await read_header(self._reader, timeout=timeout)
+        header = await read_header(self._reader, timeout=timeout)
+        if self._meter is not None:
+            self._meter.received += HEADER.size
+        return header
 
     async def recv_exactly(
         self, n: int, *, stall_timeout: float, min_rate: float | None = None
     ) -> bytes | bytearray:
         """``n`` more bytes of the current frame (see ``read_exactly``)."""
-        return await read_exactly(self._reader, n, stall_timeout=stall_timeout, min_rate=min_rate)
+        data = await read_exactly(self._reader, n, stall_timeout=stall_timeout, min_rate=min_rate)
+        if self._meter is not None:
+            self._meter.received += n
+        return data
 
     async def skip(self, n: int, *, stall_timeout: float) -> None:
         """Reads and drops ``n`` bytes of the current frame."""
@@ -215,6 +225,11 @@ class Transport(abc.ABC):
     @property
     def bytes_sent(self) -> int:
         """Frame bytes sent on this transport's streams so far (0: it does not count)."""
+        return 0
+
+    @property
+    def bytes_received(self) -> int:
+        """Frame bytes received on this transport's streams so far (0: it does not count)."""
         return 0
 
     @property
@@ -306,6 +321,10 @@ class P2PTransport(Transport):
     def bytes_sent(self) -> int:
         return self._meter.sent
 
+    @property
+    def bytes_received(self) -> int:
+        return self._meter.received
+
     async def open(self, peer_id: str, protocol: str, *, timeout: float) -> FrameStream:
         try:
             reader, writer = await asyncio.wait_for(self._stream_open(peer_id, protocol), timeout)
@@ -376,6 +395,10 @@ class RateLimitedTransport(Transport):
     @property
     def bytes_sent(self) -> int:
         return self._inner.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self._inner.bytes_received
 
     async def open(self, peer_id: str, protocol: str, *, timeout: float) -> FrameStream:
         stream = await self._inner.open(peer_id, protocol, timeout=timeout)

@@ -39,6 +39,14 @@ from fusionp2p.records.limits import MAX_EPOCH, MAX_MICRO_BATCHES, MAX_NODES, MA
 from fusionp2p.records.model import ModelSpec
 from fusionp2p.records.node_ranges import expand_ranges, node_ranges
 from fusionp2p.records.protocols import COORD_PROTOCOL, EXEC_PROTOCOL, PROBE_PROTOCOL
+from fusionp2p.records.shards import (
+    MAX_SHARD_TENSORS,
+    ShardGrant,
+    ShardOrder,
+    ShardReport,
+    ShardRequest,
+    ShardSource,
+)
 from fusionp2p.records.swarm import (
     CODEC_TERMS,
     LINKS_PER_SET,
@@ -83,6 +91,7 @@ __all__ = [
     "MAX_MICRO_BATCHES",
     "MAX_NODES",
     "MAX_RECORD_BYTES",
+    "MAX_SHARD_TENSORS",
     "MAX_STAGES",
     "MAX_TOPK_RATIO",
     "OPDATA_DIRECTIONS",
@@ -112,6 +121,11 @@ __all__ = [
     "PeerRecord",
     "PlanStageRecord",
     "RunStatusRecord",
+    "ShardGrant",
+    "ShardOrder",
+    "ShardReport",
+    "ShardRequest",
+    "ShardSource",
     "TopKHeader",
     "WireRecord",
     "decode_exec_header",
@@ -140,6 +154,11 @@ RECORD_KINDS: dict[str, type[WireRecord]] = {
         JobSetup,
         JobRequest,
         JobReply,
+        ShardOrder,
+        ShardReport,
+        ShardGrant,
+        ShardRequest,
+        ShardSource,
     )
 }  # every record, by the ``kind`` it carries on the wire
 

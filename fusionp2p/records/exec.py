@@ -20,6 +20,7 @@ from fusionp2p.errors import RecordError
 from fusionp2p.records.limits import MAX_MICRO_BATCHES, MAX_STAGES, MAX_TOPK_RATIO
 from fusionp2p.records.model import ModelSpec
 from fusionp2p.records.node_ranges import check_ranges, expand_ranges
+from fusionp2p.records.shards import NAMESPACE_RE, ShardSource
 from fusionp2p.records.tensors import OpData
 from fusionp2p.records.wire import MAX_RECORD_BYTES, Limit, Range, WireRecord, unpack_body
 
@@ -40,13 +41,27 @@ __all__ = [
     "split_message",
 ]
 
-EXEC_COMMANDS = ("setup", "weights", "step", "fetch", "teardown", "ping")
+# checkpoint: write this stage's shard (a ShardOrder); shard_put: a shard's replica, from a
+# stage of the job; grant / shard_get: who may read a shard, and reading it (records.shards)
+EXEC_COMMANDS = (
+    "setup",
+    "weights",
+    "step",
+    "fetch",
+    "teardown",
+    "ping",
+    "checkpoint",
+    "shard_put",
+    "grant",
+    "shard_get",
+)
 FETCHABLE = ("params", "grads", "state")  # state: every tensor and the optimizer's, for a checkpoint
 CONTROL_REPLY_BYTES = 4 << 10  # an ACK or an ERROR reason
 CREDIT = struct.Struct("!Q")  # an OpData ACK's payload: bytes the receiver takes in flight from this sender
 STEP_REPLY = struct.Struct("!dI")  # a step ACK's payload: seconds computed, most micro-batches held at once
 MESSAGE_HEADER_LEN = struct.Struct("!H")  # the length of the header record that starts a message
 _MAX_MADDRS = 8
+_MAX_PARTS = 1 << 16  # parts of one shard
 _MAX_COUNTER = 1 << 62
 _FINGERPRINT_RE = re.compile(r"^[\w.@:\-]{1,80}$")
 _ENGINE_RE = re.compile(r"^[a-z0-9_\-]{1,32}$")
@@ -62,14 +77,18 @@ class ExecControl(WireRecord):
     job: str
     iteration: int = 0
     n_micro_batches: int = 0
-    what: str = ""  # fetch: one of FETCHABLE
+    what: str = ""  # fetch: one of FETCHABLE; shard_put: the shard's name
     body_bytes: int = 0  # length of the bytes that follow the header
+    part: int = 0  # shard_put: which part of the shard this is, of ``parts``
+    parts: int = 0
 
     def __post_init__(self) -> None:
         if self.command not in EXEC_COMMANDS:
             raise RecordError(f"ExecControl.command must be one of {EXEC_COMMANDS}, got {self.command!r}")
-        if min(self.iteration, self.n_micro_batches, self.body_bytes) < 0:
+        if min(self.iteration, self.n_micro_batches, self.body_bytes, self.part, self.parts) < 0:
             raise RecordError("ExecControl counters must be >= 0")
+        if self.parts > _MAX_PARTS or (self.parts and self.part >= self.parts):
+            raise RecordError(f"ExecControl part {self.part} of {self.parts} (at most {_MAX_PARTS})")
 
 
 ExecHeader = OpData | ExecControl
@@ -121,7 +140,7 @@ def split_message(payload: bytes | bytearray) -> tuple[ExecHeader, bytes | bytea
     return header, body
 
 
-WEIGHT_SOURCES = ("seed", "owner")  # JobSetup.weights
+WEIGHT_SOURCES = ("seed", "owner", "shards")  # JobSetup.weights
 
 
 @dataclass(frozen=True)
@@ -154,13 +173,23 @@ class JobSetup(WireRecord):
     epoch: Annotated[int, Range(0, _MAX_COUNTER)] = 0  # the coordinator epoch of the plan; 0: none
     ratio_warmup: RatioWarmup = NO_WARMUP  # Top-K ratios grow from 1 (dense) to the plan's
     # where the stage's initial tensors come from: "seed" (made where it runs, from the spec's
-    # seed: opdag.init) or "owner" (the job's owner sends them, a checkpoint's, as "weights")
+    # seed: opdag.init), "owner" (the job's owner sends them as "weights") or "shards" (read
+    # from the checkpoint shards ``restore`` names, peer to peer)
     weights: str = "seed"
+    run: Annotated[str, Limit(64)] = ""  # the run this job is a plan of: where its shards are kept
+    shard_ns: Annotated[str, Limit(64)] = ""  # the run's shard namespace (records.shards); "": none
+    restore: Annotated[tuple[ShardSource, ...], Limit(1 << 12)] = ()
 
     def __post_init__(self) -> None:
         n = len(self.peers)
         if self.weights not in WEIGHT_SOURCES:
             raise RecordError(f"setup weights {self.weights!r:.40} is not one of {WEIGHT_SOURCES}")
+        if self.run and not NAME_RE.match(self.run):
+            raise RecordError(f"setup run {self.run!r:.80} is not 1-64 letters, digits, '-' or '_'")
+        if self.shard_ns and (not self.run or not NAMESPACE_RE.match(self.shard_ns)):
+            raise RecordError("setup shard namespace is not 64 hex digits of a named run")
+        if self.restore and self.weights != "shards":
+            raise RecordError("setup names shards to restore from, but its weights are not 'shards'")
         if not NAME_RE.match(self.job):
             raise RecordError(f"setup job {self.job!r:.80} is not 1-64 letters, digits, '-' or '_'")
         if not 1 <= n <= MAX_STAGES or len(self.node_ranges) != n:

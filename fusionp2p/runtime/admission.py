@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from fusionp2p.config import DEFAULT_TIMEOUTS, ExecLimits
-from fusionp2p.errors import LimitError, ProtocolError
-from fusionp2p.records import ExecControl, JobSetup, OpData
+from fusionp2p.errors import LimitError, ProtocolError, RecordError
+from fusionp2p.records import ExecControl, JobSetup, OpData, ShardGrant, ShardOrder, ShardRequest
+from fusionp2p.records.shards import shard_stage
 from fusionp2p.runtime.jobs import Job, opdata_key
 
 __all__ = ["ServicePolicy", "admit_control", "admit_opdata", "admit_setup", "check_setup", "find_job"]
@@ -31,6 +32,7 @@ class ServicePolicy:
     device: str = "cpu"  # where stages compute: "cpu" or "cuda:N"
     emulated_speed: float = 1.0  # testbeds: compute as a device this much as fast (runtime.throttle)
     limits: ExecLimits = field(default_factory=ExecLimits)
+    shard_dir: str | None = None  # where this peer keeps checkpoint shards; None: it keeps none
     timeout: float = DEFAULT_TIMEOUTS.serve  # one remote request, or this stage finishing an iteration
 
 
@@ -92,9 +94,23 @@ def admit_control(
     if command == "setup":
         admit_setup(policy, jobs, setting_up, remote, header.job)
         return policy.limits.control_bytes
+    if command in ("grant", "shard_get"):  # no job: a grant proves itself, a read needs one
+        return ShardRequest.MAX_BYTES if command == "shard_get" else ShardGrant.MAX_BYTES
     job = find_job(jobs, header.job)
+    if command == "shard_put":  # a replica, from the stage of the job whose shard it is
+        try:
+            stage = shard_stage(header.what)
+        except RecordError as e:
+            raise ProtocolError(str(e)) from None
+        if stage >= job.setup.n_stages or stage == job.setup.stage or job.setup.peer_of(stage) != remote:
+            raise ProtocolError(
+                f"{remote[:12]} runs no stage of job {job.name} whose shard is {header.what:.40}"
+            )
+        return job.shard_limit
     if remote != job.owner:
         raise ProtocolError(f"only the peer that set job {job.name} up may {command} it")
+    if command == "checkpoint":
+        return ShardOrder.MAX_BYTES
     return job.weights_limit if command == "weights" else 0
 
 

@@ -19,7 +19,7 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import safetensors.torch
 import torch
@@ -34,15 +34,27 @@ from fusionp2p.opdag.spec import resolve_spec
 from fusionp2p.opdag.split import Partition, balanced_assignment, op_node_names, partition
 from fusionp2p.opdag.trace import TracedModel, trace_spec
 from fusionp2p.planning import RuntimeLayout
-from fusionp2p.records import CONTROL_REPLY_BYTES, FETCHABLE, STEP_REPLY, ExecControl, JobSetup, ModelSpec
+from fusionp2p.records import (
+    CONTROL_REPLY_BYTES,
+    FETCHABLE,
+    STEP_REPLY,
+    ExecControl,
+    JobSetup,
+    ModelSpec,
+    ShardOrder,
+    ShardReport,
+)
 from fusionp2p.runtime.codec import ExecClient, unpack_message
-from fusionp2p.runtime.engines import check_stage_memory, memory_allowance, stage_initial
+from fusionp2p.runtime.engines import check_stage_memory, memory_allowance
 from fusionp2p.runtime.job_setup import JobOptions, stage_setups
 from fusionp2p.runtime.losses import LOSSES
 from fusionp2p.runtime.memory import stage_memory
-from fusionp2p.runtime.pretrained import PretrainedWeights, SavedTensor, saved_tensors
+from fusionp2p.runtime.pretrained import PretrainedWeights
+from fusionp2p.runtime.restore import Restore, check_report, request_shard
 from fusionp2p.runtime.service import ExecutorService, ServicePolicy
-from fusionp2p.runtime.stage_tensors import belongs_to_stage, check_checkpoint, chunks, restore_tensors
+from fusionp2p.runtime.shards import shard_name
+from fusionp2p.runtime.stage_start import StageStart
+from fusionp2p.runtime.stage_tensors import belongs_to_stage, chunks
 from fusionp2p.runtime.torch_executor import TorchExecutor
 
 __all__ = ["PipelineDriver"]
@@ -97,7 +109,7 @@ class PipelineDriver:
         setups: list[JobSetup],
         clients: dict[int, ExecClient],
         limits: ExecLimits,
-        initial_state: Mapping[str, torch.Tensor] | None = None,
+        start: StageStart | None = None,
     ) -> None:
         self.service = service
         self.executor = executor
@@ -110,8 +122,7 @@ class PipelineDriver:
         self._clients = clients
         self._limits = limits
         self._input_name = next(s for s in part.segments if s.kind == "source").nodes[0]
-        self._initial_state = initial_state
-        self._pretrained: tuple[PretrainedWeights, dict[str, SavedTensor]] | None = None
+        self._start = start
 
     @property
     def job(self) -> str:
@@ -133,6 +144,8 @@ class PipelineDriver:
         registry: ModelRegistry | None = None,
         initial_state: Mapping[str, torch.Tensor] | None = None,
         pretrained: PretrainedWeights | None = None,
+        restore: Restore | None = None,
+        exclude: Collection[str] = (),
     ) -> PipelineDriver:
         """Traces and splits the model, and sets up every stage.
 
@@ -145,7 +158,9 @@ class PipelineDriver:
         optimizer state as ``name#key``) replaces them on every stage, this one included,
         each stage receiving its own part. Without one, ``pretrained`` weights (checked
         before any stage hears of the job) replace each stage's saved tensors, read here one
-        at a time and sent to their stage only.
+        at a time and sent to their stage only. ``restore`` (a checkpoint kept by the stages,
+        needing ``options.shard_secret``) has every stage, this one included, read its
+        tensors from the shards' holders but ``exclude``, peer to peer.
 
         Raises:
             ConfigError: a bad layout, options or model config, or a checkpoint that does
@@ -170,11 +185,28 @@ class PipelineDriver:
             logger.info("assignment adjusted: %d node(s) moved, e.g. %s", len(part.moved), part.moved[0])
         for note in part.moved:
             logger.debug("assignment adjusted: %s", note)
-        weights = "owner" if initial_state is not None else "seed"
-        setups = stage_setups(
-            spec, traced.dag.fingerprint, assignment, part, layout, options, addresses, weights=weights
+        start = await StageStart.prepare(
+            transport,
+            traced,
+            part,
+            layout.peers,
+            options,
+            state=initial_state,
+            pretrained=pretrained,
+            restore=restore,
+            exclude=exclude,
         )
-        own_names = part.params[data_stage]
+        setups = stage_setups(
+            spec,
+            traced.dag.fingerprint,
+            assignment,
+            part,
+            layout,
+            options,
+            addresses,
+            weights=start.weights,
+            restore=start.sources,
+        )
         need = stage_memory(
             traced, part, data_stage, in_flight=setups[data_stage].in_flight, optimizer=options.optimizer
         )
@@ -184,13 +216,6 @@ class PipelineDriver:
             f"the data owner's stage {data_stage} of job {options.job}",
             "this data owner allows ([train] max_memory)",
         )
-        initial = None
-        if initial_state is None:
-            initial = await asyncio.to_thread(stage_initial, spec, registry, own_names)
-        saved: dict[str, SavedTensor] = {}  # the tensors a pretrained model replaces
-        if pretrained is not None and initial_state is None:
-            saved = saved_tensors(traced.program)
-            await asyncio.to_thread(pretrained.check, saved)
         executor = TorchExecutor(
             traced.program,
             part,
@@ -203,28 +228,25 @@ class PipelineDriver:
             plan_version=options.plan_version,
             ratio_warmup=options.ratio_warmup,
             materialize=False,
-            initial=initial,
+            initial=await start.own_initial(spec, registry, data_stage),
         )
-        if initial_state is not None:
-            check_checkpoint(traced, part, initial_state)
-            own = restore_tensors(own_names, initial_state)
-            await asyncio.to_thread(executor.load_state, safetensors.torch.save(own))
-        elif pretrained is not None and saved:
-            mine = [n for n in own_names if n in saved]
-            for chunk in chunks(pretrained.read(mine, saved), options.limits.weights_chunk_bytes):
-                await asyncio.to_thread(executor.load_state, safetensors.torch.save(chunk))
+        await start.load_own(executor, data_stage, transport, options)
         policy = ServicePolicy(
-            accept_setups=False, max_jobs=1, limits=options.limits, timeout=options.timeout
+            accept_setups=False,
+            max_jobs=1,
+            limits=options.limits,
+            timeout=options.timeout,
+            shard_dir=options.shard_dir,
         )
         service = await ExecutorService(transport, policy).start()
         service.install(executor, setups[data_stage], owner=transport.peer_id)
+        start.grant_local(service.shards.store, layout.peers, options)
         clients = {
             s: ExecClient(transport, peer_id, timeout=options.timeout)
             for s, peer_id in enumerate(layout.peers)
             if s != data_stage
         }
-        driver = cls(service, executor, traced, part, setups, clients, options.limits, initial_state)
-        driver._pretrained = (pretrained, saved) if pretrained is not None and saved else None
+        driver = cls(service, executor, traced, part, setups, clients, options.limits, start)
         try:
             for s, peer_id in enumerate(layout.peers):
                 if s != data_stage and addresses.get(peer_id):
@@ -258,19 +280,41 @@ class PipelineDriver:
         body = self.setups[stage].to_wire()
         client = self._clients[stage]
         await client.request(ExecControl(command="setup", job=self.job, body_bytes=len(body)), body)
-        if self._initial_state is not None:
-            tensors: Iterable[tuple[str, torch.Tensor]] = restore_tensors(
-                self.partition.params[stage], self._initial_state
-            ).items()
-        elif self._pretrained is not None:  # read one tensor at a time, sent in bounded chunks
-            source, saved = self._pretrained
-            tensors = source.read([n for n in self.partition.params[stage] if n in saved], saved)
-        else:
-            return  # the stage made its own tensors
+        tensors = self._start.sent(stage) if self._start is not None else None
+        if tensors is None:
+            return  # the stage gets its own tensors
         pieces = iter(chunks(tensors, self._limits.weights_chunk_bytes))
         while (chunk := await asyncio.to_thread(next, pieces, None)) is not None:
             data = safetensors.torch.save(chunk)
             await client.request(ExecControl(command="weights", job=self.job, body_bytes=len(data)), data)
+
+    async def checkpoint(self, step: int, replicas: Mapping[int, str]) -> list[ShardReport]:
+        """Every stage writes its shard of ``step`` on its own disk and copies it to
+        ``replicas[stage]`` (this process's own shard stays here); their reports, checked.
+
+        Raises:
+            ConfigError: the job keeps no shards (no ``JobOptions.shard_secret``).
+            ProtocolError / PeerUnreachableError: a stage refused, failed or is gone.
+        """
+        own_setup = self.setups[self.executor.stage]
+        if not own_setup.shard_ns:
+            raise ConfigError(f"job {self.job} keeps no shard checkpoints (it has no run secret)")
+        version, data_stage = self.executor.plan_version, self.partition.data_stage
+        job = self.service.jobs[self.job]
+        own = ShardOrder(step, shard_name(version, data_stage))
+        _, body = unpack_message(await self.service.shards.checkpoint(job, own.to_wire()))
+        reports = [ShardReport.from_wire(body)]
+        stages = list(self._clients)
+        orders = [ShardOrder(step, shard_name(version, s), replicas.get(s, "")) for s in stages]
+        got = await asyncio.gather(
+            *(request_shard(self._clients[s], self.job, o) for s, o in zip(stages, orders, strict=True))
+        )
+        for stage, order, report in zip(stages, orders, got, strict=True):
+            names = set(self.partition.params[stage])
+            holders = {self.setups[stage].peer_of(stage), *([order.replica] if order.replica else [])}
+            check_report(report, order.shard, names, holders)
+            reports.append(report)
+        return reports
 
     async def run_iteration(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
         """Forward and backward of one iteration's micro-batches on every stage; the losses.

@@ -74,6 +74,14 @@ class Executor(abc.ABC):
         the optimizer's state of each parameter (``<param>#<key>``, e.g. ``w#exp_avg``);
         ``load_state`` takes it back."""
 
+    def full_state_parts(self, limit: int) -> list[bytes]:
+        """``full_state`` in parts of about ``limit`` bytes (a checkpoint shard's parts)."""
+        return [self.full_state()]
+
+    def largest_tensor_bytes(self) -> int:
+        """The largest tensor of any stage of the job (what one shard part may carry alone)."""
+        return max(self.state_sizes().values(), default=0)
+
     @abc.abstractmethod
     def grads(self) -> bytes:
         """The gradients accumulated in this iteration, as safetensors bytes."""

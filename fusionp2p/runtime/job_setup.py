@@ -17,8 +17,9 @@ from fusionp2p.errors import ConfigError
 from fusionp2p.opdag.split import Partition
 from fusionp2p.planning import RuntimeLayout
 from fusionp2p.planning.cost import in_flight
-from fusionp2p.records import MAX_MICRO_BATCHES, JobSetup, ModelSpec, node_ranges
+from fusionp2p.records import MAX_MICRO_BATCHES, JobSetup, ModelSpec, ShardSource, node_ranges
 from fusionp2p.runtime.losses import LOSSES
+from fusionp2p.runtime.shard_store import namespace_of
 
 __all__ = ["JobOptions", "default_in_flight", "stage_setups"]
 
@@ -37,6 +38,9 @@ class JobOptions:
     ratio_warmup: RatioWarmup = NO_WARMUP  # Top-K ratios grow from 1 (dense) to the layout's
     timeout: float = DEFAULT_TIMEOUTS.request  # one request to a stage
     max_memory: int | None = None  # the data owner's own stage may need this much; None: 80% of free
+    run: str = ""  # the run this job is a plan of ("": none, no shard checkpoints)
+    shard_secret: bytes = b""  # the run's shard secret (records.shards); b"": no shard checkpoints
+    shard_dir: str | None = None  # where this data owner keeps its own stage's shards
     limits: ExecLimits = field(default_factory=ExecLimits)  # what this process accepts from stages
 
     def __post_init__(self) -> None:
@@ -68,12 +72,14 @@ def stage_setups(
     addresses: Mapping[str, Sequence[str]],
     *,
     weights: str = "seed",
+    restore: Mapping[int, tuple[ShardSource, ...]] | None = None,
 ) -> list[JobSetup]:
     """One setup per stage of ``layout``. ``assignment`` (a stage per OP-DAG position) is
     what the layout gave, before the split normalized it into ``part``: every stage
     normalizes it the same way, and a planned one is what the stage compares with the
     published plan. ``addresses[peer]`` are the multiaddrs other stages dial it at.
-    ``weights``: where every stage's initial tensors come from (``JobSetup.weights``).
+    ``weights``: where every stage's initial tensors come from (``JobSetup.weights``);
+    ``restore[stage]``: the shards a stage reads them from, with ``weights="shards"``.
 
     Raises:
         ConfigError: ``layout.in_flight`` is not one value in [1, n_micro_batches] per stage.
@@ -103,6 +109,9 @@ def stage_setups(
             epoch=options.epoch,
             ratio_warmup=options.ratio_warmup,
             weights=weights,
+            run=options.run,
+            shard_ns=namespace_of(options.shard_secret) if options.shard_secret else "",
+            restore=(restore or {}).get(stage, ()),
         )
         for stage in range(part.n_stages)
     ]

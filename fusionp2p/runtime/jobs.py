@@ -79,12 +79,17 @@ class Job:
     closed: bool = False
     max_body: int = 0  # the largest body any message of this job may carry
     weights_limit: int = 0
+    shard_limit: int = 0  # one part of a shard replica from another stage
     _senders: dict[int, OpDataSender] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         sizes = self.executor.state_sizes()
         self.weights_limit = max(self.limits.weights_chunk_bytes, *sizes.values(), 0) + _WEIGHTS_SLACK
-        self.max_body = max(self.weights_limit, self.executor.max_message_bytes(), self.limits.control_bytes)
+        largest = max(self.limits.weights_chunk_bytes, self.executor.largest_tensor_bytes())
+        self.shard_limit = largest + _WEIGHTS_SLACK
+        self.max_body = max(
+            self.weights_limit, self.shard_limit, self.executor.max_message_bytes(), self.limits.control_bytes
+        )
 
     @property
     def name(self) -> str:

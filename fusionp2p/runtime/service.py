@@ -41,6 +41,7 @@ from fusionp2p.records import (
     ExecHeader,
     JobSetup,
     OpData,
+    ShardRequest,
     pack_message,
 )
 from fusionp2p.runtime.admission import (
@@ -56,6 +57,8 @@ from fusionp2p.runtime.compute import ComputeQueue
 from fusionp2p.runtime.engines import ENGINES, BuildStage
 from fusionp2p.runtime.executor import Executor, Message
 from fusionp2p.runtime.jobs import Job, Work, opdata_key
+from fusionp2p.runtime.shard_store import ShardStore
+from fusionp2p.runtime.shards import ShardKeeper
 from fusionp2p.runtime.throttle import Throttle
 
 __all__ = ["ExecutorService", "ServicePolicy"]
@@ -99,6 +102,8 @@ class ExecutorService:
         self._log = RejectionLog(logger, "protocol error: rejected exec message")
         self._plan_check = plan_check
         self._on_jobs_changed = on_jobs_changed
+        store = ShardStore(self.policy.shard_dir) if self.policy.shard_dir else None
+        self.shards = ShardKeeper(transport, store, limits, self.policy.timeout, self.in_pool)
 
     async def start(self) -> ExecutorService:
         self._gate.privileged = self._works_for_a_job
@@ -124,7 +129,13 @@ class ExecutorService:
 
     # ------------------------------------------------------------ reading one message
     def _max_frame(self) -> int:
-        largest = max([self.policy.limits.control_bytes, *(j.max_body for j in self.jobs.values())])
+        largest = max(
+            [
+                self.policy.limits.control_bytes,
+                ShardRequest.MAX_BYTES,
+                *(j.max_body for j in self.jobs.values()),
+            ]
+        )
         return 2 + MAX_RECORD_BYTES + largest
 
     async def _refuse(self, stream: FrameStream, reason: str, detail: str, *, close: bool) -> None:
@@ -290,22 +301,32 @@ class ExecutorService:
         if header.command == "setup":
             await self._setup(remote, header.job, body)
             return FrameKind.ACK, b""
+        if header.command == "grant":
+            await self.shards.grant(body)
+            return FrameKind.ACK, b""
+        if header.command == "shard_get":
+            return FrameKind.DATA, await self.shards.get(remote, body)
         job = self._job(header.job)
         progress = header.command != "fetch"  # reading a job's state does not keep it alive
         if progress:
             job.touch()
         job.busy += 1
         try:
-            return await self._job_control(job, header, body)
+            return await self._job_control(job, remote, header, body)
         finally:
             job.busy -= 1
             if progress:
                 job.touch()
 
     async def _job_control(
-        self, job: Job, header: ExecControl, body: bytes | bytearray
+        self, job: Job, remote: str, header: ExecControl, body: bytes | bytearray
     ) -> tuple[FrameKind, bytes]:
         executor = job.executor
+        if header.command == "checkpoint":
+            return FrameKind.DATA, await self.shards.checkpoint(job, body)
+        if header.command == "shard_put":
+            await self.shards.put(job, remote, header, body)
+            return FrameKind.ACK, b""
         if header.command == "weights":
             job.state_missing = await self.in_pool(functools.partial(executor.load_state, body))
             return FrameKind.ACK, b""
@@ -348,6 +369,8 @@ class ExecutorService:
                     build, setup, self.registry, self.policy.max_memory_bytes, self.policy.device
                 )
             )
+            if setup.weights == "shards":
+                await self.shards.restore(executor, setup)
             await self._connect(setup)
             self.install(executor, setup, owner=remote)
         except LimitError as e:

@@ -9,7 +9,7 @@ arrived, ``missing`` names what is still to come.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import safetensors.torch
@@ -18,10 +18,28 @@ import torch
 from fusionp2p.config import OptimizerConfig
 from fusionp2p.errors import ProtocolError
 
-__all__ = ["OPTIMIZER_KEYS", "OPTIMIZER_SEPARATOR", "StageState"]
+__all__ = ["OPTIMIZER_KEYS", "OPTIMIZER_SEPARATOR", "StageState", "chunks"]
 
 OPTIMIZER_SEPARATOR = "#"  # "<param>#<key>" names a parameter's optimizer tensor in a checkpoint
 OPTIMIZER_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"})
+
+
+def chunks(
+    tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], limit: int
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Groups tensors (a mapping, or named tensors read one at a time) into chunks of at
+    most ``limit`` bytes (a larger tensor goes alone)."""
+    chunk: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, tensor in tensors.items() if isinstance(tensors, Mapping) else tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if chunk and size + nbytes > limit:
+            yield chunk
+            chunk, size = {}, 0
+        chunk[name] = tensor
+        size += nbytes
+    if chunk:
+        yield chunk
 
 
 def _optimizer(config: OptimizerConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer | None:
@@ -145,15 +163,22 @@ class StageState:
         chosen = self.params if names is None else {n: self.tensors[n] for n in names}
         return safetensors.torch.save({k: v.detach().cpu().contiguous() for k, v in chosen.items()})
 
-    def save_full(self) -> bytes:
-        """Every tensor and each parameter's optimizer state (``<param>#<key>``) as safetensors."""
+    def _full(self) -> dict[str, torch.Tensor]:
         out = {k: v.detach().cpu().contiguous() for k, v in self.tensors.items()}
         if self._optimizer is not None:
             for name, param in self.params.items():
                 for key, value in self._optimizer.state.get(param, {}).items():
                     if isinstance(value, torch.Tensor) and key in OPTIMIZER_KEYS:
                         out[f"{name}{OPTIMIZER_SEPARATOR}{key}"] = value.detach().cpu().contiguous()
-        return safetensors.torch.save(out)
+        return out
+
+    def save_full(self) -> bytes:
+        """Every tensor and each parameter's optimizer state (``<param>#<key>``) as safetensors."""
+        return safetensors.torch.save(self._full())
+
+    def save_full_parts(self, limit: int) -> list[bytes]:
+        """``save_full`` in parts of about ``limit`` bytes each (a larger tensor alone)."""
+        return [safetensors.torch.save(part) for part in chunks(self._full(), limit)]
 
     def grads(self) -> bytes:
         """The parameters' accumulated gradients (zeros where none) as safetensors bytes."""

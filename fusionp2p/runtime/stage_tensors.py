@@ -3,34 +3,16 @@ bounded chunks, a checkpoint's part for each stage, and what a stage may send ba
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
 from fusionp2p.errors import ConfigError
 from fusionp2p.opdag.split import Partition
 from fusionp2p.opdag.trace import TracedModel
-from fusionp2p.runtime.stage_state import OPTIMIZER_KEYS, OPTIMIZER_SEPARATOR
+from fusionp2p.runtime.stage_state import OPTIMIZER_KEYS, OPTIMIZER_SEPARATOR, chunks
 
 __all__ = ["belongs_to_stage", "check_checkpoint", "chunks", "restore_tensors"]
-
-
-def chunks(
-    tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], limit: int
-) -> Iterator[dict[str, torch.Tensor]]:
-    """Groups tensors (a mapping, or named tensors read one at a time) into chunks of at
-    most ``limit`` bytes (a larger tensor goes alone)."""
-    chunk: dict[str, torch.Tensor] = {}
-    size = 0
-    for name, tensor in tensors.items() if isinstance(tensors, Mapping) else tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if chunk and size + nbytes > limit:
-            yield chunk
-            chunk, size = {}, 0
-        chunk[name] = tensor
-        size += nbytes
-    if chunk:
-        yield chunk
 
 
 def check_checkpoint(traced: TracedModel, part: Partition, state: Mapping[str, torch.Tensor]) -> None:

@@ -121,6 +121,8 @@ class TorchExecutor(Executor):
             device=self.device,
         )
         self._placeholder_state = {p: t for p, t in placeholders.items() if t in mine}
+        every = {**getattr(program, "constants", {}), **program.state_dict}.values()
+        self._largest = max((t.numel() * t.element_size() for t in every), default=0)
         self._mbs: dict[int, _MicroBatch] = {}
 
     # ----------------------------------------------------------------- validation
@@ -400,6 +402,12 @@ class TorchExecutor(Executor):
 
     def full_state(self) -> bytes:
         return self.state.save_full()
+
+    def full_state_parts(self, limit: int) -> list[bytes]:
+        return self.state.save_full_parts(limit)
+
+    def largest_tensor_bytes(self) -> int:
+        return self._largest
 
     def grads(self) -> bytes:
         return self.state.grads()

@@ -1,76 +1,150 @@
-"""Checkpoints of a running job, kept by its data owner.
+"""Checkpoints of a running job: shards kept by the stages, a manifest kept by the data owner.
 
-Every ``checkpoint_every`` steps the data owner fetches each stage's full state (its
-tensors and its optimizer's, see ``StageState.save_full``), merges them by tensor name and
-writes one safetensors file ``<run>/checkpoints/step-NNNNNN.safetensors`` tagged with the
-step, the plan version and the coordinator epoch it was taken under. Names are the model's
-own, so a checkpoint restores onto any split of the model: after a re-plan each new stage
-owner gets its part of it. The last ``keep`` files stay; older ones are removed.
+Every ``checkpoint_every`` steps each stage writes its own shard (its tensors and its
+optimizer's state) on its own disk and copies it to one other stage peer
+(``runtime.shards``); the data owner writes only the manifest,
+``<run>/checkpoints/step-NNNNNN.json``: the step, the plan version and coordinator epoch
+it was taken under, and per shard its holders and every tensor's sha256. Tensor names
+are the model's own, so a checkpoint restores onto any split of the model: after a
+re-plan each new stage owner reads its tensors from the shards' holders, peer to peer.
+The run's shard secret (``shard.secret``, which names the run's shards on every holder:
+``records.shards``) stays in the run directory. The last ``keep`` manifests stay.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from fusionp2p.errors import ConfigError, RecordError
+from fusionp2p.records import ShardReport
+from fusionp2p.runtime.restore import Restore
 
-from fusionp2p.errors import ConfigError
-
-__all__ = ["Checkpoint", "latest_checkpoint", "list_checkpoints", "newest_resumable", "save_checkpoint"]
+__all__ = [
+    "CHECKPOINT_DIR",
+    "Checkpoint",
+    "choose_replicas",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "newest_resumable",
+    "run_secret",
+    "save_checkpoint",
+]
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
-_NAME_RE = re.compile(r"^step-(\d{6,})\.safetensors$")
+SECRET_FILE = "shard.secret"
+_NAME_RE = re.compile(r"^step-(\d{6,})\.json$")
 
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """One checkpoint file: the state after ``step`` optimizer steps."""
+    """One checkpoint's manifest: the state after ``step`` optimizer steps."""
 
     path: Path
     step: int
     plan_version: int
     epoch: int
 
-    def load(self) -> dict[str, torch.Tensor]:
-        """The merged state of every stage, by tensor name (optimizer state as ``name#key``).
+    def restore(self, data_owner: str | None = None) -> Restore:
+        """Where each shard is and what it holds. The shards the data owner that wrote the
+        manifest held (in its run directory) are ``data_owner``'s now: a resumed data owner
+        has another PeerID.
 
         Raises:
-            ConfigError: the file is unreadable or not safetensors.
+            ConfigError: the manifest is unreadable or malformed.
         """
         try:
-            return load_file(str(self.path))
-        except Exception as e:
+            body = json.loads(self.path.read_text())
+            old = body.get("data_owner")
+            rehome = {old: data_owner} if old and data_owner else {}
+            shards = tuple(
+                ShardReport(
+                    s["shard"],
+                    int(s["nbytes"]),
+                    tuple((n, d) for n, d in s["tensors"]),
+                    tuple(rehome.get(h, h) for h in s["holders"]),
+                )
+                for s in body["shards"]
+            )
+        except (OSError, ValueError, KeyError, TypeError, RecordError) as e:
             raise ConfigError(f"checkpoint {self.path} cannot be read: {str(e)[:200]}") from e
+        return Restore(self.step, shards)
+
+
+def run_secret(run_dir: Path) -> bytes:
+    """The run's shard secret, made on first use (readable by this user only)."""
+    path = run_dir / SECRET_FILE
+    if not path.exists():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(32))
+    return path.read_bytes()
 
 
 def save_checkpoint(
-    run_dir: Path, step: int, state: dict[str, torch.Tensor], *, plan_version: int, epoch: int, keep: int = 2
+    run_dir: Path,
+    step: int,
+    shards: list[ShardReport],
+    *,
+    plan_version: int,
+    epoch: int,
+    data_owner: str = "",
+    keep: int = 2,
 ) -> Checkpoint:
-    """Writes ``state`` atomically as the checkpoint of ``step`` and keeps the last ``keep``."""
+    """Writes the manifest of ``step`` atomically and keeps the last ``keep``;
+    ``data_owner`` is this process's PeerID, the holder of the shards in its run directory."""
     folder = run_dir / CHECKPOINT_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"step-{step:06d}.safetensors"
+    path = folder / f"step-{step:06d}.json"
+    body = {
+        "step": step,
+        "plan_version": plan_version,
+        "epoch": epoch,
+        "data_owner": data_owner,
+        "shards": [
+            {
+                "shard": s.shard,
+                "nbytes": s.nbytes,
+                "holders": list(s.holders),
+                "tensors": [list(t) for t in s.tensors],
+            }
+            for s in shards
+        ],
+    }
     tmp = path.with_suffix(".tmp")
-    meta = {"step": str(step), "plan_version": str(plan_version), "epoch": str(epoch)}
-    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp), metadata=meta)
+    tmp.write_text(json.dumps(body))
     tmp.replace(path)
     for old in list_checkpoints(run_dir)[:-keep]:
         old.path.unlink(missing_ok=True)
     return Checkpoint(path, step, plan_version, epoch)
 
 
+def choose_replicas(
+    owners: dict[int, str], bandwidth: dict[tuple[str, str], float], data_owner: str
+) -> dict[int, str]:
+    """Per stage (``owners[stage]``: its peer; the data owner's stage is not in it), the
+    other stage peer its shard is copied to: the one it reaches fastest (``bandwidth``,
+    bytes/s by (from, to)). A plan with one stage peer has no other: its shard is copied
+    to the data owner, the one case where a checkpoint passes through it."""
+    out = {}
+    for stage, peer in owners.items():
+        others = sorted({p for p in owners.values() if p != peer})
+        out[stage] = max(others, key=lambda p: (bandwidth.get((peer, p), 0.0), p)) if others else data_owner
+    return out
+
+
 def _read(path: Path) -> Checkpoint | None:
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-        return Checkpoint(path, int(meta["step"]), int(meta["plan_version"]), int(meta["epoch"]))
+        body = json.loads(path.read_text())
+        return Checkpoint(path, int(body["step"]), int(body["plan_version"]), int(body["epoch"]))
     except Exception as e:  # a torn or foreign file: skip it, say so
         logger.warning("ignoring checkpoint %s: %s", path, str(e)[:200])
         return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -34,6 +35,7 @@ from fusionp2p.planning import (
 )
 from fusionp2p.records import ModelSpec
 from fusionp2p.runtime.job_setup import JobOptions
+from fusionp2p.training.export import export_run
 from fusionp2p.training.job_spec import JobSpec
 from fusionp2p.training.owner_records import probe_from, self_record
 from fusionp2p.training.pipeline import Pipeline, start_fixed, start_planned
@@ -209,3 +211,25 @@ class DataOwner:
             resume=resume,
             on_step=on_step,
         )
+
+    def export(
+        self,
+        run_dir: str | Path,
+        out_dir: str | Path,
+        *,
+        registry: ModelRegistry | None = None,
+        out: Any = print,
+    ) -> Path:
+        """Writes a run's weights from the shards its stages keep into ``out_dir`` (a
+        sharded ``save_pretrained`` layout; ``training.export``), peer to peer.
+
+        Raises:
+            ConfigError: not a run directory with a checkpoint, or a shard with no live holder.
+            ProtocolError: no holder of a shard gave it with its digests.
+        """
+
+        async def run() -> Path:
+            transport = await self.connection.transport()
+            return await export_run(transport, Path(run_dir), Path(out_dir), registry=registry, out=out)
+
+        return self.call(run())

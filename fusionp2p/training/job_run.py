@@ -38,8 +38,9 @@ from fusionp2p.planning.calibrate import calibrate
 from fusionp2p.records import RUN_EVENT_CHARS, RUN_EVENTS, RunStatusRecord
 from fusionp2p.runtime.job_setup import JobOptions
 from fusionp2p.runtime.pretrained import PretrainedWeights
+from fusionp2p.runtime.restore import Restore
 from fusionp2p.training.batches import Batch, TrainingData
-from fusionp2p.training.checkpoint import Checkpoint, save_checkpoint
+from fusionp2p.training.checkpoint import Checkpoint, choose_replicas, run_secret, save_checkpoint
 from fusionp2p.training.job_spec import JobSpec
 from fusionp2p.training.pipeline import Pipeline, start_planned
 from fusionp2p.training.submit import SubmittedJob, plan_job_id, submit_job
@@ -53,6 +54,7 @@ REPLAN_PATIENCE_S = 180.0  # how long a re-plan is retried (a coordinator may ha
 REPLAN_RETRY_S = 2.0  # between two tries of a re-plan
 REPORT_PERIOD_S = 5.0  # how often the run's progress goes to the DHT
 REPORT_TTL_S = 300.0  # a report outlives a dead data owner this long
+SHARD_DIR = "shards"  # under the run directory: the data owner's own stage's shards
 
 
 class StepFailed(Exception):
@@ -90,6 +92,7 @@ class JobRun:
         self.lost: list[str] = []  # peers left out of every later plan
         self.replans = 0
         self.checkpoint: Checkpoint | None = None
+        self.checkpoint_bytes = 0  # bytes this process received for the last checkpoint
         self.policy = CheckpointPolicy(job.checkpoint_every)
         self.submitted: SubmittedJob | None = None
         self.pipeline: Pipeline | None = None
@@ -98,6 +101,7 @@ class JobRun:
         self._batches: Iterator[Batch] = iter(())
         self.loss = 0.0
         self._reported = 0.0
+        self.secret = run_secret(run_dir)  # names the run's checkpoint shards on their holders
         # the weights a run without a checkpoint starts from (each stage gets only its own)
         self.pretrained = PretrainedWeights(job.pretrained) if job.pretrained else None
         events.on_event = lambda _: self.report(force=True)
@@ -116,7 +120,7 @@ class JobRun:
         """Plans the job and sets it up, from ``checkpoint`` if given (a resumed run)."""
         self.checkpoint = checkpoint
         self.step = checkpoint.step if checkpoint is not None else 0
-        self._plan_and_setup(checkpoint.load() if checkpoint is not None else None)
+        self._plan_and_setup(self._restore(checkpoint))
         self._rewind(self.step)
         assert self.submitted is not None
         return self.submitted
@@ -134,9 +138,7 @@ class JobRun:
             site=self.connection.site,
         )
 
-    def _plan_and_setup(
-        self, state: dict[str, torch.Tensor] | None, speeds: tuple[tuple[str, float], ...] = ()
-    ) -> None:
+    def _plan_and_setup(self, state: Restore | None, speeds: tuple[tuple[str, float], ...] = ()) -> None:
         replaces = self.running_id
         self.version += 1
         submitted = self.connection.call(self._submit(replaces, speeds))
@@ -149,6 +151,9 @@ class JobRun:
             epoch=submitted.epoch,
             ratio_warmup=RatioWarmup(self.job.ratio_warmup_steps, self.step),
             max_memory=self.job.max_memory_bytes,
+            run=self.run_id,
+            shard_secret=self.secret,
+            shard_dir=str(self.run_dir / SHARD_DIR),
         )
         self.pipeline = None
         transport = self.connection.call(self.connection.transport())
@@ -160,7 +165,8 @@ class JobRun:
                 plan,
                 options,
                 registry=self.registry,
-                initial_state=state,
+                restore=state,
+                exclude=tuple(self.lost),
                 pretrained=self.pretrained if state is None else None,
             )
         )
@@ -241,15 +247,15 @@ class JobRun:
         assert self.pipeline is not None
         return set(self.pipeline.driver.traced.program.graph_signature.inputs_to_parameters.values())
 
-    def fetch_state(self) -> dict[str, torch.Tensor]:
-        """Every stage's tensors and optimizer state.
+    def fetch_params(self) -> dict[str, torch.Tensor]:
+        """Every stage's trainable parameters (the final weights).
 
         Raises:
             StepFailed: a stage failed or did not answer within the step deadline.
         """
         assert self.pipeline is not None
         try:
-            return self.pipeline.fetch("state", timeout=self.clock.deadline())
+            return self.pipeline.fetch("params", timeout=self.clock.deadline())
         except FusionP2PError as e:
             raise StepFailed(e) from e
 
@@ -263,12 +269,23 @@ class JobRun:
         if not force and not self.policy.due(self.step, last):
             return None
         began = time.perf_counter()
-        state = self.fetch_state()
-        assert self.submitted is not None
+        assert self.submitted is not None and self.pipeline is not None
+        transport = self.connection.call(self.connection.transport())
+        received = transport.bytes_received
+        try:
+            shards = self.pipeline.checkpoint(self.step, self._replicas(), timeout=self.clock.deadline())
+        except FusionP2PError as e:
+            raise StepFailed(e) from e
         self.checkpoint = save_checkpoint(
-            self.run_dir, self.step, state, plan_version=self.version, epoch=self.submitted.epoch
+            self.run_dir,
+            self.step,
+            shards,
+            plan_version=self.version,
+            epoch=self.submitted.epoch,
+            data_owner=self.submitted.data_owner,
         )
         cost = time.perf_counter() - began
+        self.checkpoint_bytes = transport.bytes_received - received
         step_s = self.clock.expected_s or (self.clock.steps[-1] if self.clock.steps else 0.0)
         self.policy.measured(cost, step_s)
         logger.info("checkpoint of step %d in %.2f s (next in %d steps)", self.step, cost, self.policy.period)
@@ -308,7 +325,7 @@ class JobRun:
         self.lost.extend(lost)
         self._close()
         restored = self.checkpoint.step if self.checkpoint is not None else 0
-        state = self.checkpoint.load() if self.checkpoint is not None else None
+        state = self._restore(self.checkpoint)
         self._replan(state, reason=f"{len(lost)} lost peer(s)")
         redone = self.step - restored
         self.step = restored
@@ -347,13 +364,34 @@ class JobRun:
         )
         self.maybe_checkpoint(force=True)
         assert self.checkpoint is not None
-        state = self.checkpoint.load()
+        state = self._restore(self.checkpoint)
         self._close()
         self._replan(state, speeds=speeds, reason="a straggler")
 
+    def _restore(self, checkpoint: Checkpoint | None) -> Restore | None:
+        """``checkpoint``'s shards, those of this run's directory held by this process."""
+        if checkpoint is None:
+            return None
+        me = self.connection.call(self.connection.transport()).peer_id
+        return checkpoint.restore(data_owner=me)
+
+    def _replicas(self) -> dict[int, str]:
+        """Per stage peer of the plan in force, the other stage peer its shard is copied to."""
+        assert self.submitted is not None
+        owners = dict(enumerate(self.stage_peers, 1))
+        topo = self.submitted.topology
+        pos = {p: i for i, p in enumerate(topo.peer_ids)}
+        bandwidth = {
+            (a, b): float(topo.bandwidth[pos[a], pos[b]])
+            for a in owners.values()
+            for b in owners.values()
+            if a != b and a in pos and b in pos
+        }
+        return choose_replicas(owners, bandwidth, self.submitted.data_owner)
+
     def _replan(
         self,
-        state: dict[str, torch.Tensor] | None,
+        state: Restore | None,
         *,
         reason: str,
         speeds: tuple[tuple[str, float], ...] = (),

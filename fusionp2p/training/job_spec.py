@@ -25,6 +25,7 @@ from fusionp2p.training.supervision import StepClock
 __all__ = ["EXAMPLE_CONFIG", "JobSpec"]
 
 _MAX_STEPS = 10_000_000
+WEIGHT_MODES = ("sharded", "gather")  # [output] weights
 
 EXAMPLE_CONFIG = """\
 # A fusionp2p training job: `fusionp2p train --config job.toml --initial-peers <multiaddr>`.
@@ -86,6 +87,8 @@ max_replans = 10               # give up after this many re-plans
 [output]
 dir = "fusionp2p-runs"         # metrics.jsonl, checkpoints, final weights go to <dir>/<name>
 tensorboard = false            # also TensorBoard scalars (pip install 'fusionp2p[tensorboard]')
+weights = "sharded"            # the final weights stay with the stages (fusionp2p export writes them);
+                               # "gather": also pull them here (weights.safetensors, save_pretrained)
 
 [security]                     # a private swarm: trust only these peers (PeerIDs); [] = any
 coordinators = []              # whose coordinator lease this data owner accepts
@@ -128,6 +131,7 @@ _TOML_FIELDS: dict[tuple[str, str], str] = {
     ("fault", "max_replans"): "max_replans",
     ("output", "dir"): "out_dir",
     ("output", "tensorboard"): "tensorboard",
+    ("output", "weights"): "weights",
     ("security", "coordinators"): "coordinators",
     ("security", "stage_peers"): "stage_peers",
 }
@@ -212,6 +216,7 @@ class JobSpec:
     max_replans: int = 10
     out_dir: str = "fusionp2p-runs"
     tensorboard: bool = False  # also write TensorBoard scalars (the fusionp2p[tensorboard] extra)
+    weights: str = "sharded"  # the final weights: kept by the stages, or also "gather"ed here
     coordinators: tuple[str, ...] = ()  # the only peers whose coordinator lease is accepted; () = any
     stage_peers: tuple[str, ...] = ()  # the only peers the job's stages may run on; () = any
 
@@ -281,6 +286,10 @@ class JobSpec:
             object.__setattr__(self, name, tuple(value))  # a TOML array arrives as a list
         if not isinstance(self.out_dir, str) or not self.out_dir:
             raise ConfigError(f"[output] dir: must be a directory path, got {self.out_dir!r:.40}")
+        if self.weights not in WEIGHT_MODES:
+            raise ConfigError(
+                f"[output] weights: must be one of {list(WEIGHT_MODES)}, got {self.weights!r:.40}"
+            )
         if not isinstance(self.tensorboard, bool):
             raise ConfigError(f"[output] tensorboard: must be true or false, got {self.tensorboard!r:.40}")
         try:

@@ -21,10 +21,11 @@ from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.split import Partition
 from fusionp2p.planning import NO_COMPRESSION, CostConfig, Plan, RuntimeLayout, Topology, estimate_segments
 from fusionp2p.planning.estimate import Estimate
-from fusionp2p.records import ModelSpec, PeerRecord
+from fusionp2p.records import ModelSpec, PeerRecord, ShardReport
 from fusionp2p.runtime.driver import PipelineDriver
 from fusionp2p.runtime.job_setup import JobOptions
 from fusionp2p.runtime.pretrained import PretrainedWeights
+from fusionp2p.runtime.restore import Restore
 
 __all__ = ["Pipeline", "start_fixed", "start_planned"]
 
@@ -107,6 +108,19 @@ class Pipeline:
         """
         return self._connection.call(_within(self.driver.fetch(what), timeout, f"fetching {what}"))
 
+    def checkpoint(
+        self, step: int, replicas: Mapping[int, str], *, timeout: float | None = None
+    ) -> list[ShardReport]:
+        """Every stage writes its shard of ``step`` and copies it to ``replicas[stage]``;
+        their reports (``PipelineDriver.checkpoint``).
+
+        Raises:
+            DeadlineError: not within ``timeout`` s. ProtocolError / PeerUnreachableError.
+        """
+        return self._connection.call(
+            _within(self.driver.checkpoint(step, replicas), timeout, "the checkpoint")
+        )
+
     def close(self, teardown_timeout: float = DEFAULT_TIMEOUTS.teardown) -> None:
         """Tears the job down on its stages (each within ``teardown_timeout`` s, best effort)."""
         self._connection.call(self.driver.aclose(teardown_timeout))
@@ -131,10 +145,13 @@ async def start_planned(
     registry: ModelRegistry | None = None,
     initial_state: Tensors | None = None,
     pretrained: PretrainedWeights | None = None,
+    restore: Restore | None = None,
+    exclude: Sequence[str] = (),
 ) -> Pipeline:
     """Sets ``plan`` up with this process as its data owner (``Plan.layout``); every OpData
-    of the job names the plan's version. The stages start from ``initial_state`` (a
-    checkpoint), else from ``pretrained`` weights, else from the spec's seed.
+    of the job names the plan's version. The stages start from ``restore`` (a checkpoint
+    kept by stages, read from its holders but ``exclude``) or ``initial_state`` (every
+    tensor, sent from here), else from ``pretrained`` weights, else from the spec's seed.
 
     Raises:
         ConfigError: ``options`` are for another micro-batch count than the plan's, or the
@@ -162,6 +179,8 @@ async def start_planned(
         registry=registry,
         initial_state=initial_state,
         pretrained=pretrained,
+        restore=restore,
+        exclude=exclude,
     )
     return Pipeline(connection, driver, [live[p] for p in layout.peers[1:]], plan=plan)
 

@@ -3,11 +3,11 @@
 Submits the job (the coordinator plans it), prints the plan, sets it up over the peers,
 then runs the steps on batches of its own data (which never leave this process) with a
 progress bar: loss, tokens/s, plan version, the slowest stage's peer and compute per step.
-Every step is a line of ``metrics.jsonl``; checkpoints (every stage's tensors and
-optimizer state) go to ``checkpoints/`` every ``checkpoint_every`` steps (or as often as
-costs <= 10% when 0), fault-handling events to ``events.jsonl`` (``JobRun``: lost peers
-and stragglers are planned around), and at the end the weights are written
-(``outputs.py``).
+Every step is a line of ``metrics.jsonl``; every ``checkpoint_every`` steps (or as often
+as costs <= 10% when 0) a checkpoint: each stage's shard of tensors and optimizer state,
+kept by the stages, and its manifest in ``checkpoints/``; fault-handling events to
+``events.jsonl`` (``JobRun``: lost peers and stragglers are planned around), and at the
+end the weights are written (``outputs.py``).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ class TrainResult:
     losses: list[float]
     submitted: SubmittedJob
     run_dir: Path
-    weights: Path
-    pretrained: Path | None  # a save_pretrained directory, for transformers families
+    weights: Path | None  # weights.safetensors ([output] weights = "gather"); None: kept by the stages
+    pretrained: Path | None  # a save_pretrained directory, for transformers families (gathered)
     seconds: float
     stage_seconds: list[float] = field(default_factory=list)  # last step's compute per stage
     replans: int = 0  # plans after the first: lost peers and stragglers planned around
@@ -148,11 +148,11 @@ def _open_run(
     found = newest_resumable(job.run_dir) if resume else None
     if resume and found is None:
         raise ConfigError(f"nothing to resume: no run of job {job.name} under {job.run_dir} has a checkpoint")
-    complete = found is not None and (found[0] / WEIGHTS).is_file()
+    complete = found is not None and found[1].step >= job.steps  # its final state is a checkpoint
     if found is not None and complete and len(logged_losses(found[0], job.steps)) >= job.steps:
         raise ConfigError(
             f"nothing to resume: run {found[0].name} of job {job.name} is complete ({job.steps} steps, "
-            f"weights in {found[0] / WEIGHTS}); to train it longer, raise [train] steps and resume"
+            f"its final checkpoint in {found[1].path}); to train it longer, raise [train] steps and resume"
         )
     run_dir, checkpoint = found if found is not None else (job.run_dir / new_run_id(job.name), None)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -219,25 +219,28 @@ def _run_steps(
     metrics: MetricsLog,
     bar: Any,
     on_step: Callable[[dict[str, Any]], None] | None,
-) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Steps ``run`` to the job's end, recovering from failed steps; the final trainable
-    weights and the last step's compute per stage."""
+) -> tuple[dict[str, torch.Tensor] | None, list[float]]:
+    """Steps ``run`` to the job's end, recovering from failed steps, and checkpoints the
+    final state; the final trainable weights if the job gathers them, and the last step's
+    compute per stage."""
     job = run.job
     stage_seconds: list[float] = []
     checkpoint_s: float | None = None  # the last checkpoint's cost, reported with the next step
     while True:
         try:
-            if run.step >= job.steps:
-                state = run.fetch_state()
-                return {k: v for k, v in state.items() if k in run.trainable()}, stage_seconds
+            if run.step >= job.steps:  # the final weights are a checkpoint, kept by the stages
+                if run.checkpoint is None or run.checkpoint.step < run.step:
+                    run.maybe_checkpoint(force=True)
+                return (run.fetch_params() if job.weights == "gather" else None), stage_seconds
             loss, took = run.train_step()
             assert run.pipeline is not None
             stage_seconds = run.pipeline.stage_seconds()
             del losses[run.step - 1 :]
             losses.append(loss)
             row = _step_row(run, loss, took, stage_seconds)
-            if checkpoint_s is not None:
+            if checkpoint_s is not None:  # the checkpoint after the previous step: its cost here
                 row["checkpoint_s"] = checkpoint_s
+                row["checkpoint_bytes"] = run.checkpoint_bytes
             metrics.write(row)  # the step's row first: a checkpoint of step N never exists without it
             checkpoint_s = run.maybe_checkpoint() if run.step < job.steps else None
             run.report(loss, force=run.step == job.steps)
@@ -291,17 +294,23 @@ def train(
     finally:
         metrics.close()
         run.close()
-    weights = save_weights(params, run.run_dir / WEIGHTS)
-    spec = job.model_spec()
-    pretrained = save_pretrained(spec, params, run.run_dir / "pretrained", registry)
+    weights = pretrained = None
+    if params is not None:
+        weights = save_weights(params, run.run_dir / WEIGHTS)
+        pretrained = save_pretrained(job.model_spec(), params, run.run_dir / "pretrained", registry)
+        where = f"weights in {weights}" + (f", save_pretrained in {pretrained}" if pretrained else "")
+    else:
+        where = (
+            f"the weights stay with the stages (checkpoint of step {run.step}); write them with "
+            f"`fusionp2p export {run.run_dir} --out DIR --initial-peers <multiaddr>`"
+        )
     seconds = time.perf_counter() - start
     window = max(1, min(10, len(losses) // 2))
     out(
         f"trained {job.steps} steps in {seconds:.1f} s: loss {losses[0]:.3f} -> {losses[-1]:.3f} "
         f"(mean of the first {window} steps {sum(losses[:window]) / window:.3f}, "
         f"of the last {window} {sum(losses[-window:]) / window:.3f}); "
-        f"{run.replans} re-plan(s); weights in {weights}"
-        + (f", save_pretrained in {pretrained}" if pretrained else "")
+        f"{run.replans} re-plan(s); {where}"
     )
     assert run.submitted is not None
     return TrainResult(
