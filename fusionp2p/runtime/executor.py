@@ -9,6 +9,7 @@ without touching the scheduler or the transport. Tensors cross this boundary as 
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from fusionp2p.records import OpData
@@ -74,9 +75,10 @@ class Executor(abc.ABC):
         the optimizer's state of each parameter (``<param>#<key>``, e.g. ``w#exp_avg``);
         ``load_state`` takes it back."""
 
-    def full_state_parts(self, limit: int) -> list[bytes]:
-        """``full_state`` in parts of about ``limit`` bytes (a checkpoint shard's parts)."""
-        return [self.full_state()]
+    def full_state_parts(self, limit: int) -> Iterator[bytes]:
+        """``full_state`` in parts of about ``limit`` bytes (a checkpoint shard's parts),
+        made one at a time (on the compute thread: it reads the stage's tensors)."""
+        yield self.full_state()
 
     def largest_tensor_bytes(self) -> int:
         """The largest tensor of any stage of the job (what one shard part may carry alone)."""

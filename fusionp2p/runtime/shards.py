@@ -13,7 +13,8 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import safetensors.torch
@@ -90,33 +91,30 @@ class ShardKeeper:
         peers = {p for p, _ in setup.peers}
         if order.replica and (order.replica not in peers or order.replica == self.transport.peer_id):
             raise ProtocolError("a shard's replica goes to another peer of the job")
-        parts = await self._in_pool(
-            functools.partial(job.executor.full_state_parts, self.limits.weights_chunk_bytes)
-        )
-        digests: list[tuple[str, str]] = []
-        for i, data in enumerate(parts):
-            await self._in_pool(
-                functools.partial(store.write, setup.shard_ns, setup.run, order.step, order.shard, i, data)
-            )
-            digests += await self._in_pool(functools.partial(_digests_of, data))
+        write = functools.partial(store.write, setup.shard_ns, setup.run, order.step, order.shard)
+        parts = job.executor.full_state_parts(self.limits.weights_chunk_bytes)
+        digests, sizes = await self._in_pool(functools.partial(_write_parts, parts, write))
         holders = [self.transport.peer_id]
-        if order.replica and await self._copy(job, order, parts):
+        files = store.parts(setup.shard_ns, setup.run, order.step, order.shard)
+        if order.replica and await self._copy(job, order, files):
             holders.append(order.replica)
-        report = ShardReport(order.shard, sum(len(p) for p in parts), tuple(sorted(digests)), tuple(holders))
+        report = ShardReport(order.shard, sum(sizes), tuple(sorted(digests)), tuple(holders))
         wire = report.to_wire()
         return pack_message(ExecControl(command="checkpoint", job=job.name, body_bytes=len(wire)), wire)
 
-    async def _copy(self, job: Job, order: ShardOrder, parts: Sequence[bytes]) -> bool:
+    async def _copy(self, job: Job, order: ShardOrder, files: Sequence[Path]) -> bool:
+        """Sends the shard's part files to the replica, one at a time."""
         client = ExecClient(self.transport, order.replica, timeout=self.timeout)
         try:
-            for i, data in enumerate(parts):
+            for i, path in enumerate(files):
+                data = await asyncio.to_thread(path.read_bytes)
                 header = ExecControl(
                     command="shard_put",
                     job=job.name,
                     iteration=order.step,
                     what=order.shard,
                     part=i,
-                    parts=len(parts),
+                    parts=len(files),
                     body_bytes=len(data),
                 )
                 await client.request(header, data)
@@ -183,8 +181,17 @@ class ShardKeeper:
         return pack_message(ExecControl(command="shard_get", job=request.run, body_bytes=len(data)), data)
 
 
-def _digests_of(data: bytes) -> tuple[tuple[str, str], ...]:
-    return tensor_digests(safetensors.torch.load(data))
+def _write_parts(
+    parts: Iterator[bytes], write: Callable[[int, bytes], Any]
+) -> tuple[list[tuple[str, str]], list[int]]:
+    """Writes a shard's parts one at a time (on the compute thread); their digests and sizes."""
+    digests: list[tuple[str, str]] = []
+    sizes = []
+    for i, data in enumerate(parts):
+        write(i, data)
+        digests += tensor_digests(safetensors.torch.load(data))
+        sizes.append(len(data))
+    return digests, sizes
 
 
 async def read_shards(

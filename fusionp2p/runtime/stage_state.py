@@ -176,9 +176,11 @@ class StageState:
         """Every tensor and each parameter's optimizer state (``<param>#<key>``) as safetensors."""
         return safetensors.torch.save(self._full())
 
-    def save_full_parts(self, limit: int) -> list[bytes]:
-        """``save_full`` in parts of about ``limit`` bytes each (a larger tensor alone)."""
-        return [safetensors.torch.save(part) for part in chunks(self._full(), limit)]
+    def save_full_parts(self, limit: int) -> Iterator[bytes]:
+        """``save_full`` in parts of about ``limit`` bytes each (a larger tensor alone),
+        made one at a time."""
+        for part in chunks(self._full(), limit):
+            yield safetensors.torch.save(part)
 
     def grads(self) -> bytes:
         """The parameters' accumulated gradients (zeros where none) as safetensors bytes."""

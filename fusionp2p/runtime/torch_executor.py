@@ -15,7 +15,7 @@ The data owner's executor also holds the source (user inputs) and the loss segme
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -403,7 +403,7 @@ class TorchExecutor(Executor):
     def full_state(self) -> bytes:
         return self.state.save_full()
 
-    def full_state_parts(self, limit: int) -> list[bytes]:
+    def full_state_parts(self, limit: int) -> Iterator[bytes]:
         return self.state.save_full_parts(limit)
 
     def largest_tensor_bytes(self) -> int:
