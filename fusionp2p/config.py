@@ -181,7 +181,8 @@ class ExecLimits:
     """What a peer accepts on its exec protocol. Over a limit, the stream gets an ERROR
     reply naming the limit and is closed; the peer keeps serving everyone else."""
 
-    control_bytes: int = 64 << 10  # body of a control message (a setup; step, fetch and teardown have none)
+    control_bytes: int = 64 << 10  # body of a control message (step, fetch and teardown have none)
+    setup_bytes: int = 4 << 20  # body of a setup (a restoring stage's names every tensor's digest)
     weights_chunk_bytes: int = 64 << 20  # one weights message (a tensor larger than this comes alone)
     max_stages: int = 64  # stages of one job
     idle_timeout: float = 30.0  # an inbound stream that starts no frame for this long is closed
@@ -198,6 +199,7 @@ class ExecLimits:
         _positive_ints(
             "ExecLimits",
             control_bytes=self.control_bytes,
+            setup_bytes=self.setup_bytes,
             weights_chunk_bytes=self.weights_chunk_bytes,
             max_stages=self.max_stages,
             streams_per_peer=self.streams_per_peer,

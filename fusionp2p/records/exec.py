@@ -151,7 +151,7 @@ class JobSetup(WireRecord):
     # 5: a msgpack record (it was JSON), stages' positions as node ranges (were runs)
     # 6: ``weights``: a stage makes its own initial tensors (a v5 stage would wait for them)
     VERSION: ClassVar[int] = 6
-    MAX_BYTES: ClassVar[int] = 16 << 20  # a peer reads at most its ExecLimits.control_bytes
+    MAX_BYTES: ClassVar[int] = 16 << 20  # a peer reads at most its ExecLimits.setup_bytes
 
     job: Annotated[str, Limit(64)]  # 1-64 letters, digits, '-' or '_'
     spec: ModelSpec

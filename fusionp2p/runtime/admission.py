@@ -93,7 +93,7 @@ def admit_control(
         return 0
     if command == "setup":
         admit_setup(policy, jobs, setting_up, remote, header.job)
-        return policy.limits.control_bytes
+        return policy.limits.setup_bytes
     if command in ("grant", "shard_get"):  # no job: a grant proves itself, a read needs one
         return ShardRequest.MAX_BYTES if command == "shard_get" else ShardGrant.MAX_BYTES
     job = find_job(jobs, header.job)

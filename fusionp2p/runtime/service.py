@@ -132,6 +132,7 @@ class ExecutorService:
         largest = max(
             [
                 self.policy.limits.control_bytes,
+                self.policy.limits.setup_bytes,
                 ShardRequest.MAX_BYTES,
                 *(j.max_body for j in self.jobs.values()),
             ]
