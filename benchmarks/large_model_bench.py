@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in args.models.split(","):
         spec = ModelSpec("gpt2", MODELS[name], input_shape=SHAPE, seed=0)
-        params = sum(t.numel() for t in trace_spec(spec, fake=True).program.parameters())
+        state = trace_spec(spec, fake=True).program.state_dict
+        params = sum(t.numel() for t in {id(t): t for t in state.values()}.values())  # a tied one once
         assignment, needs = layout(spec)
         print(
             f"  gpt2-{name}: {params / 1e6:.0f}M parameters over {N_PEERS} peers + the data owner", flush=True
