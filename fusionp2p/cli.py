@@ -96,6 +96,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "(default: ~/.cache/fusionp2p/shards/<PeerID>)",
     )
     peer.add_argument(
+        "--weights-dir",
+        metavar="DIR",
+        help="pretrained models (save_pretrained directories) this peer has: a stage loads its "
+        "tensors from here, checked against the data owner's digests, instead of receiving them",
+    )
+    peer.add_argument(
         "--device",
         default=_PEER.device,
         help="cpu, cuda[:N], or auto (a GPU when there is one) (default: %(default)s)",
@@ -354,6 +360,7 @@ def _peer_config(args: argparse.Namespace) -> PeerConfig:
         max_memory_bytes=args.max_memory,
         max_jobs=args.max_jobs,
         checkpoint_dir=args.checkpoint_dir,
+        weights_dir=args.weights_dir,
         accept_jobs_from=tuple(args.accept_jobs_from),
         accept_unplanned_from=tuple(args.accept_unplanned_from),
         coordinator=not args.no_coordinator,

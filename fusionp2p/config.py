@@ -259,6 +259,7 @@ class PeerConfig:
     )
     max_jobs: int = 1  # jobs served at once; a setup beyond this is refused, never replaces one
     checkpoint_dir: str | None = None  # where stages keep checkpoint shards; None: the user's cache
+    weights_dir: str | None = None  # local copies of pretrained models a stage may load from
     accept_jobs_from: tuple[str, ...] = ()  # PeerIDs allowed to set jobs up here; empty: anyone
     accept_unplanned_from: tuple[str, ...] = ()  # ... a job no coordinator planned, while one exists
     exec_limits: ExecLimits = field(default_factory=ExecLimits)

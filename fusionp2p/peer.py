@@ -143,6 +143,7 @@ class Peer:
             policy = ServicePolicy(
                 max_jobs=config.max_jobs,
                 shard_dir=config.checkpoint_dir or default_shard_dir(peer.peer_id),
+                weights_dir=config.weights_dir,
                 accept_jobs_from=frozenset(config.accept_jobs_from),
                 max_memory_bytes=config.max_memory_bytes,
                 limits=limits,

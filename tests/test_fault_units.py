@@ -3,6 +3,7 @@ stage's optimizer state round trip, and what a re-plan request may ask for."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import msgpack
@@ -97,9 +98,14 @@ def test_checkpoints_are_tagged_manifests_and_only_the_last_two_kept(tmp_path: P
     (tmp_path / "checkpoints" / "step-000020.json").write_text("{torn")  # a crash mid-write elsewhere
     assert latest_checkpoint(tmp_path) == latest
     assert latest_checkpoint(tmp_path / "nothing") is None
-    (tmp_path / "checkpoints" / "step-000015.json").write_text('{"step": 15, "plan_version": 3, "epoch": 3}')
-    with pytest.raises(ConfigError, match="cannot be read"):
+    manifest = tmp_path / "checkpoints" / "step-000015.json"
+    body = json.loads(manifest.read_text())
+    body["shards"][1]["holders"] = [a]  # a holder swapped by hand: the signature no longer fits
+    manifest.write_text(json.dumps(body))
+    with pytest.raises(ConfigError, match="is not signed with its run's secret"):
         latest_checkpoint(tmp_path).restore()
+    manifest.write_text("{torn")
+    assert [c.step for c in list_checkpoints(tmp_path)] == [10]
 
 
 def test_replicas_go_to_the_fastest_other_stage_peer() -> None:

@@ -124,7 +124,12 @@ def test_a_killed_stage_owner_is_restored_from_its_replica_peer_to_peer(
                 index = next(i for i, p in enumerate(local.peers) if p.peer_id == killed["peer"])
                 local.signal(index, signal.SIGKILL)
 
-        result = swarm.train(job, progress=False, out=lambda *_: None, on_step=on_step)
+        try:
+            result = swarm.train(job, progress=False, out=lambda *_: None, on_step=on_step)
+        except Exception:  # which peers were lost, and why the re-plan failed: shown with the failure
+            for path in job.run_dir.glob("*/events.jsonl"):
+                print(path.read_text()[-6000:])
+            raise
     events = EventLog.read(result.run_dir / "events.jsonl")
     restored = next(e for e in events if e["event"] == "restored")
     assert restored["step"] == 3 and result.replans >= 1

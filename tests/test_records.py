@@ -18,6 +18,7 @@ from fusionp2p.records import (
     LeaseRecord,
     LinkRecord,
     LinkSetRecord,
+    LocalWeights,
     ModelSpec,
     OpData,
     PeerRecord,
@@ -203,6 +204,7 @@ def _examples() -> list[WireRecord]:
         ShardGrant(b"s" * 32, "job-1", 10, "v3-s1", (A,)),
         ShardRequest(_NS, "job-1", 10, "v3-s1", ("w", "w#exp_avg")),
         _SOURCE,
+        LocalWeights((("model.w", "w", _DIGEST, "float32"),)),
         JobRequest(
             "job-1-p2",
             _SPEC,

@@ -35,6 +35,7 @@ __all__ = [
     "ExecControl",
     "ExecHeader",
     "JobSetup",
+    "LocalWeights",
     "decode_exec_header",
     "message_prefix",
     "pack_message",
@@ -42,7 +43,8 @@ __all__ = [
 ]
 
 # checkpoint: write this stage's shard (a ShardOrder); shard_put: a shard's replica, from a
-# stage of the job; grant / shard_get: who may read a shard, and reading it (records.shards)
+# stage of the job; grant / shard_get: who may read a shard, and reading it (records.shards);
+# load_local: load pretrained tensors from this peer's own copy (a LocalWeights)
 EXEC_COMMANDS = (
     "setup",
     "weights",
@@ -54,6 +56,7 @@ EXEC_COMMANDS = (
     "shard_put",
     "grant",
     "shard_get",
+    "load_local",
 )
 FETCHABLE = ("params", "grads", "state")  # state: every tensor and the optimizer's, for a checkpoint
 CONTROL_REPLY_BYTES = 4 << 10  # an ACK or an ERROR reason
@@ -62,6 +65,8 @@ STEP_REPLY = struct.Struct("!dI")  # a step ACK's payload: seconds computed, mos
 MESSAGE_HEADER_LEN = struct.Struct("!H")  # the length of the header record that starts a message
 _MAX_MADDRS = 8
 _MAX_PARTS = 1 << 16  # parts of one shard
+_DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+_FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 _MAX_COUNTER = 1 << 62
 _FINGERPRINT_RE = re.compile(r"^[\w.@:\-]{1,80}$")
 _ENGINE_RE = re.compile(r"^[a-z0-9_\-]{1,32}$")
@@ -231,3 +236,24 @@ class JobSetup(WireRecord):
 
     def peer_of(self, stage: int) -> str:
         return self.peers[stage][0]
+
+
+@dataclass(frozen=True)
+class LocalWeights(WireRecord):
+    """The body of a ``load_local``: the pretrained tensors a stage may load from its own
+    copy (``fusionp2p peer --weights-dir``), each as (its name in the model, its key in the
+    files, the sha256 of its bytes as saved, the model's dtype)."""
+
+    KIND: ClassVar[str] = "local_weights"
+    MAX_BYTES: ClassVar[int] = 4 << 20
+
+    tensors: Annotated[
+        tuple[tuple[Annotated[str, Limit(512)], Annotated[str, Limit(512)], str, str], ...], Limit(1 << 16)
+    ]
+
+    def __post_init__(self) -> None:
+        for name, key, digest, dtype in self.tensors:
+            if not _DIGEST_RE.match(digest) or dtype not in _FLOAT_DTYPES:
+                raise RecordError(
+                    f"local weights of {name[:80]!r} ({key[:80]!r}): a bad digest or dtype {dtype!r:.20}"
+                )

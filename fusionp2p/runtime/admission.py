@@ -14,7 +14,15 @@ from dataclasses import dataclass, field
 
 from fusionp2p.config import DEFAULT_TIMEOUTS, ExecLimits
 from fusionp2p.errors import LimitError, ProtocolError, RecordError
-from fusionp2p.records import ExecControl, JobSetup, OpData, ShardGrant, ShardOrder, ShardRequest
+from fusionp2p.records import (
+    ExecControl,
+    JobSetup,
+    LocalWeights,
+    OpData,
+    ShardGrant,
+    ShardOrder,
+    ShardRequest,
+)
 from fusionp2p.records.shards import shard_stage
 from fusionp2p.runtime.jobs import Job, opdata_key
 
@@ -33,6 +41,7 @@ class ServicePolicy:
     emulated_speed: float = 1.0  # testbeds: compute as a device this much as fast (runtime.throttle)
     limits: ExecLimits = field(default_factory=ExecLimits)
     shard_dir: str | None = None  # where this peer keeps checkpoint shards; None: it keeps none
+    weights_dir: str | None = None  # this peer's copies of pretrained models (load_local); None: none
     timeout: float = DEFAULT_TIMEOUTS.serve  # one remote request, or this stage finishing an iteration
 
 
@@ -111,6 +120,8 @@ def admit_control(
         raise ProtocolError(f"only the peer that set job {job.name} up may {command} it")
     if command == "checkpoint":
         return ShardOrder.MAX_BYTES
+    if command == "load_local":
+        return LocalWeights.MAX_BYTES
     return job.weights_limit if command == "weights" else 0
 
 

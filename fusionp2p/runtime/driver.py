@@ -283,10 +283,26 @@ class PipelineDriver:
         tensors = self._start.sent(stage) if self._start is not None else None
         if tensors is None:
             return  # the stage gets its own tensors
+        if self._start is not None and await self._load_local(stage, client):
+            return
         pieces = iter(chunks(tensors, self._limits.weights_chunk_bytes))
         while (chunk := await asyncio.to_thread(next, pieces, None)) is not None:
             data = safetensors.torch.save(chunk)
             await client.request(ExecControl(command="weights", job=self.job, body_bytes=len(data)), data)
+
+    async def _load_local(self, stage: int, client: ExecClient) -> bool:
+        """Whether ``stage`` loaded its pretrained tensors from its peer's own copy."""
+        assert self._start is not None
+        record = await asyncio.to_thread(self._start.local_record, stage)
+        if record is None:
+            return False
+        wire = record.to_wire()
+        try:
+            await client.request(ExecControl(command="load_local", job=self.job, body_bytes=len(wire)), wire)
+            return True
+        except ProtocolError as e:  # no copy there, or another one: send the tensors instead
+            logger.info("stage %d loads no local pretrained weights (%s); sending them", stage, e)
+            return False
 
     async def checkpoint(self, step: int, replicas: Mapping[int, str]) -> list[ShardReport]:
         """Every stage writes its shard of ``step`` on its own disk and copies it to

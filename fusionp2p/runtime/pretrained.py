@@ -22,6 +22,8 @@ import torch
 from safetensors import safe_open
 
 from fusionp2p.errors import ConfigError
+from fusionp2p.records import LocalWeights
+from fusionp2p.runtime.shard_store import tensor_digest
 
 __all__ = ["INDEX_FILE", "PretrainedWeights", "SavedTensor", "saved_tensors"]
 
@@ -125,14 +127,23 @@ class PretrainedWeights:
                     f"pretrained {self.path}: tensor {key} is {got_dtype}, the model's {name} is {dtype}"
                 )
 
-    def read(
-        self, names: Iterable[str], expected: Mapping[str, SavedTensor]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The tensors ``names`` (checked with ``check``), one at a time, in their dtypes.
+    def local_record(self, names: Iterable[str], expected: Mapping[str, SavedTensor]) -> LocalWeights:
+        """What a stage holding ``names`` may load from its own copy of these files: each
+        tensor's key and the sha256 of its bytes as saved (read here one at a time).
 
         Raises:
             ConfigError: a file became unreadable since ``check``.
         """
+        entries = []
+        for name, tensor in self._raw(names, expected):
+            key = self._key(expected[name])
+            dtype = str(expected[name].dtype).removeprefix("torch.")
+            entries.append((name, key or name, tensor_digest(tensor), dtype))
+        return LocalWeights(tuple(entries))
+
+    def _raw(
+        self, names: Iterable[str], expected: Mapping[str, SavedTensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         for name in names:
             key = self._key(expected[name])
             if key is None:
@@ -143,4 +154,15 @@ class PretrainedWeights:
             except Exception as e:
                 reason = str(e)[:120]
                 raise ConfigError(f"pretrained {self._where[key]}: cannot read {key} ({reason})") from None
+            yield name, tensor
+
+    def read(
+        self, names: Iterable[str], expected: Mapping[str, SavedTensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors ``names`` (checked with ``check``), one at a time, in their dtypes.
+
+        Raises:
+            ConfigError: a file became unreadable since ``check``.
+        """
+        for name, tensor in self._raw(names, expected):
             yield name, tensor.to(expected[name].dtype).contiguous()

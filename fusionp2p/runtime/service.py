@@ -40,6 +40,7 @@ from fusionp2p.records import (
     ExecControl,
     ExecHeader,
     JobSetup,
+    LocalWeights,
     OpData,
     ShardRequest,
     pack_message,
@@ -57,6 +58,7 @@ from fusionp2p.runtime.compute import ComputeQueue
 from fusionp2p.runtime.engines import ENGINES, BuildStage
 from fusionp2p.runtime.executor import Executor, Message
 from fusionp2p.runtime.jobs import Job, Work, opdata_key
+from fusionp2p.runtime.local_weights import load_local_weights
 from fusionp2p.runtime.shard_store import ShardStore
 from fusionp2p.runtime.shards import ShardKeeper
 from fusionp2p.runtime.throttle import Throttle
@@ -327,6 +329,18 @@ class ExecutorService:
             return FrameKind.DATA, await self.shards.checkpoint(job, body)
         if header.command == "shard_put":
             await self.shards.put(job, remote, header, body)
+            return FrameKind.ACK, b""
+        if header.command == "load_local":
+            load = functools.partial(
+                load_local_weights,
+                executor,
+                LocalWeights.from_wire(body),
+                self.policy.weights_dir,
+                self.policy.limits.weights_chunk_bytes,
+            )
+            count = await self.in_pool(load)
+            job.state_missing = executor.missing_state()
+            logger.info("job %s: %d pretrained tensors loaded from this peer's copy", job.name, count)
             return FrameKind.ACK, b""
         if header.command == "weights":
             job.state_missing = await self.in_pool(functools.partial(executor.load_state, body))

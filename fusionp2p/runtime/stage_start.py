@@ -24,7 +24,7 @@ from fusionp2p.net.transport import Transport
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.split import Partition
 from fusionp2p.opdag.trace import TracedModel
-from fusionp2p.records import ModelSpec, ShardSource
+from fusionp2p.records import LocalWeights, ModelSpec, ShardSource
 from fusionp2p.runtime.engines import stage_initial
 from fusionp2p.runtime.executor import Executor
 from fusionp2p.runtime.job_setup import JobOptions
@@ -134,6 +134,14 @@ class StageStart:
             for source in sources:
                 if stage != self.part.data_stage and me in source.holders:
                     store.grant(options.shard_secret, source.run, source.step, source.shard, [peers[stage]])
+
+    def local_record(self, stage: int) -> LocalWeights | None:
+        """What ``stage`` may load from its peer's own copy of the pretrained weights
+        (``runtime.local_weights``; digests read here), or None: no pretrained weights."""
+        if self.pretrained is None or not self.saved:
+            return None
+        names = [n for n in self.part.params[stage] if n in self.saved]
+        return self.pretrained.local_record(names, self.saved)
 
     def sent(self, stage: int) -> Named | None:
         """The tensors the data owner sends ``stage`` (read one at a time where they come

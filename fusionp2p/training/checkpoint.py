@@ -4,7 +4,8 @@ Every ``checkpoint_every`` steps each stage writes its own shard (its tensors an
 optimizer's state) on its own disk and copies it to one other stage peer
 (``runtime.shards``); the data owner writes only the manifest,
 ``<run>/checkpoints/step-NNNNNN.json``: the step, the plan version and coordinator epoch
-it was taken under, and per shard its holders and every tensor's sha256. Tensor names
+it was taken under, and per shard its holders and every tensor's sha256, signed with an
+HMAC of the run's secret (an edited manifest, or another run's, is refused). Tensor names
 are the model's own, so a checkpoint restores onto any split of the model: after a
 re-plan each new stage owner reads its tensors from the shards' holders, peer to peer.
 The run's shard secret (``shard.secret``, which names the run's shards on every holder:
@@ -13,6 +14,8 @@ The run's shard secret (``shard.secret``, which names the run's shards on every 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -62,6 +65,15 @@ class Checkpoint:
         """
         try:
             body = json.loads(self.path.read_text())
+            secret = (self.path.parent.parent / SECRET_FILE).read_bytes()
+            signed = hmac.compare_digest(str(body.pop("mac", "")), _mac(secret, body))
+        except (OSError, ValueError, AttributeError) as e:
+            raise ConfigError(f"checkpoint {self.path} cannot be read: {str(e)[:200]}") from e
+        if not signed:
+            raise ConfigError(
+                f"checkpoint {self.path} is not signed with its run's secret (edited, or another run's)"
+            )
+        try:
             old = body.get("data_owner")
             rehome = {old: data_owner} if old and data_owner else {}
             shards = tuple(
@@ -73,9 +85,15 @@ class Checkpoint:
                 )
                 for s in body["shards"]
             )
-        except (OSError, ValueError, KeyError, TypeError, RecordError) as e:
+        except (ValueError, KeyError, TypeError, RecordError) as e:
             raise ConfigError(f"checkpoint {self.path} cannot be read: {str(e)[:200]}") from e
         return Restore(self.step, shards)
+
+
+def _mac(secret: bytes, body: dict) -> str:
+    """The manifest's signature: an HMAC-SHA256 of its canonical JSON with the run's secret."""
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(secret, canonical, hashlib.sha256).hexdigest()
 
 
 def run_secret(run_dir: Path) -> bytes:
@@ -119,6 +137,7 @@ def save_checkpoint(
             for s in shards
         ],
     }
+    body["mac"] = _mac(run_secret(run_dir), body)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(body))
     tmp.replace(path)
