@@ -242,11 +242,6 @@ class JobRun:
             speed_factors={p[-8:]: round(f, 3) for p, f in result.factors.items()},
         )
 
-    def trainable(self) -> set[str]:
-        """The names of the model's trainable parameters (what the final weights hold)."""
-        assert self.pipeline is not None
-        return set(self.pipeline.driver.traced.program.graph_signature.inputs_to_parameters.values())
-
     def fetch_params(self) -> dict[str, torch.Tensor]:
         """Every stage's trainable parameters (the final weights).
 
