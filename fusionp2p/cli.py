@@ -234,7 +234,15 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
 
     plan = sub.add_parser("plan", help="plan a model on a swarm file and compare with the baselines")
     plan.add_argument("--swarm-file", required=True, help="`fusionp2p status --json` output (or same shape)")
-    plan.add_argument("--model", default="gpt2", help="model family: gpt2 or llama (default: %(default)s)")
+    plan.add_argument(
+        "--model",
+        default="gpt2",
+        help="a model family: gpt2, llama (analytic OP-DAGs), mistral, qwen2, gpt_neox, resnet, "
+        "digits-cnn (traced without allocating), or package.module:factory (default: %(default)s)",
+    )
+    plan.add_argument(
+        "--trace", action="store_true", help="trace gpt2/llama too, instead of their analytic OP-DAG"
+    )
     plan.add_argument(
         "--model-config", default="{}", help="JSON overrides of the model config, e.g. '{\"n_layer\": 24}'"
     )
@@ -242,7 +250,14 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     plan.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
     plan.add_argument("--n-micro-batches", type=int, default=8, help="micro-batches per iteration (n_b)")
     plan.add_argument("--ratio", type=float, default=100.0, help="user Top-K ratio (adaptive per link)")
-    plan.add_argument("--granularity", choices=["block", "sublayer"], default="block")
+    plan.add_argument(
+        "--granularity",
+        choices=["block", "sublayer"],
+        default="block",
+        help="nodes of the analytic gpt2/llama OP-DAG (a traced one has one node per operator)",
+    )
+    plan.add_argument("--image-size", type=int, default=32, help="image families: pixels a side")
+    plan.add_argument("--channels", type=int, default=3, help="image families: channels per pixel")
     plan.add_argument("--clustering", choices=["leiden", "louvain"], default="leiden")
     plan.add_argument("--png", help="draw the clustered bandwidth graph with each peer's stage here")
     plan.add_argument("--json", action="store_true", help="print the plan's stage records as JSON")

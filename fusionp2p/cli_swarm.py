@@ -185,7 +185,7 @@ def load_swarm_file(path: str) -> tuple[list[PeerRecord], list[LinkRecord]]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from fusionp2p.opdag import TransformerShape, transformer_dag
+    from fusionp2p.opdag.offline import OfflineModel, offline_dag
     from fusionp2p.planning import (
         BASELINES,
         CompressionPolicy,
@@ -206,26 +206,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--model-config is not JSON: {e}") from e
     if not isinstance(overrides, dict):
         raise ConfigError("--model-config must be a JSON object of config keys")
-    import transformers
-
-    try:
-        known = set(transformers.AutoConfig.for_model(args.model).to_dict())
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"--model: unknown model type {args.model!r}") from e
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise ConfigError(
-            f"--model-config: {args.model} has no config key {unknown[0]!r}; "
-            f"known keys: {', '.join(sorted(known))}"
-        )
-    try:
-        hf_config = transformers.AutoConfig.for_model(args.model, **overrides)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"--model-config: a bad value for {args.model}: {e}") from e
-    shape = TransformerShape.from_hf_config(hf_config)
-    dag = transformer_dag(
-        shape, seq_len=args.seq_len, micro_batch=args.micro_batch, granularity=args.granularity
+    model = OfflineModel(
+        args.model,
+        overrides,
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch,
+        granularity=args.granularity,
+        image_size=args.image_size,
+        channels=args.channels,
+        trace=args.trace,
     )
+    dag = offline_dag(model)
     cost = CostConfig(n_micro_batches=args.n_micro_batches, compression=CompressionPolicy(ratio=args.ratio))
     topo = Topology.from_records(peers, links)
     start = time.perf_counter()
@@ -237,7 +228,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(
             f"{dag.name}: {len(dag)} nodes, {dag.total_param_bytes / 4 / 1e6:.0f}M parameters (tied counted "
-            f"per user), {dag.total_fwd_flops / 1e12:.2f} TFLOP forward per micro-batch"
+            f"per user), {dag.total_fwd_flops / 1e9:.1f} GFLOP forward per micro-batch"
         )
         print(f"{len(topo)} peers in {len(plan.clusters)} bandwidth cluster(s); planned in {took:.2f} s\n")
         print(plan.describe(dag))
