@@ -345,13 +345,13 @@ def _as_flags(message: str) -> str:
 
 
 def _cmd_peer(args: argparse.Namespace) -> int:
-    try:
-        config = _peer_config(args)
-    except ConfigError as e:
-        raise ConfigError(_as_flags(str(e))) from None
     import uvloop
 
-    uvloop.run(_run_peer(config, args.ready_file, args.exit_with_parent))
+    try:
+        config = _peer_config(args)
+        uvloop.run(_run_peer(config, args.ready_file, args.exit_with_parent))
+    except ConfigError as e:  # the config's, or one found as the peer starts (a port in use)
+        raise ConfigError(_as_flags(str(e))) from None
     return 0
 
 

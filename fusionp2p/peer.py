@@ -33,6 +33,7 @@ from fusionp2p.net.directory import SwarmDirectory, Unread
 from fusionp2p.net.dropped_streams import quiet_dropped_streams
 from fusionp2p.net.identity import ensure_identity, load_signing_key
 from fusionp2p.net.limits import StreamGate
+from fusionp2p.net.listen import check_listen_addresses
 from fusionp2p.net.probe import HINT_SOURCES, LinkEstimator, hints_from, probe_link, serve_probe
 from fusionp2p.net.sockets import hivemind_sockets, remove_stale
 from fusionp2p.net.transport import P2PTransport, RateLimitedTransport, Transport
@@ -90,11 +91,13 @@ class Peer:
         """Profiles the device, starts the DHT node and joins the swarm.
 
         Raises:
-            ConfigError: a bad identity file, or an ``allow_models`` entry that cannot be imported.
+            ConfigError: a bad identity file, an ``allow_models`` entry that cannot be imported,
+                or a ``host_maddrs`` port already in use.
             SwarmError: the DHT node could not start or join.
             ProfileError: the device could not be measured.
         """
         registry = ModelRegistry(allow=config.allow_models)  # the operator's choice; fails early
+        check_listen_addresses(config.host_maddrs)
         remove_stale(hivemind_sockets(), min_age_s=STALE_SOCKET_AGE_S)  # left by killed peers before
         tmpdir = None
         identity_path = config.identity_path

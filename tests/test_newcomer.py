@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -16,7 +17,9 @@ import psutil
 import pytest
 from process_helpers import hivemind_sockets, litter, run_grouped
 
+from fusionp2p.errors import ConfigError
 from fusionp2p.launch import LocalSwarm
+from fusionp2p.net.listen import check_listen_addresses
 from fusionp2p.net.sockets import remove_stale
 from fusionp2p.planning import synthetic_swarm
 
@@ -286,3 +289,20 @@ def test_a_killed_peer_without_an_identity_file_leaves_no_key_behind(tmp_path: P
 def test_a_bad_peer_flag_is_named_as_the_command_line_spells_it(flags: list[str], says: str) -> None:
     line = _one_error_line(_cli("peer", *flags), "peer")
     assert says in line and "PeerConfig" not in line
+
+
+def test_a_peer_refuses_a_port_another_peer_listens_on() -> None:
+    """p2pd listens with SO_REUSEPORT, so without this check a second peer would share the port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        line = _one_error_line(_cli("peer", "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}"), "peer")
+    assert f"--host-maddrs /ip4/127.0.0.1/tcp/{port}: port {port} is already in use" in line
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as free:  # a port nobody holds passes
+        free.bind(("127.0.0.1", 0))
+        free_port = free.getsockname()[1]
+    check_listen_addresses([f"/ip4/127.0.0.1/tcp/{free_port}", "/ip4/127.0.0.1/tcp/0"])
+    with pytest.raises(ConfigError, match="cannot listen there"):
+        check_listen_addresses(["/ip4/203.0.113.9/tcp/31337"])  # not an address of this machine
