@@ -232,6 +232,29 @@ def test_a_running_job_obeys_only_its_owner_and_takes_opdata_only_from_neighbour
     asyncio.run(run())
 
 
+def test_a_stage_owner_that_leaves_fails_the_owners_iteration_at_once() -> None:
+    async def run() -> None:
+        async with net() as n:
+            d = await driver(n)
+            try:
+                header = ExecControl(command="leaving", job=d.job)
+                stream = await n.stranger.open(OWNER, EXEC_PROTOCOL, timeout=2)
+                kind, reply = await ask(stream, header)  # only a stage owner of the job may say it
+                assert kind is FrameKind.ERROR and b"runs no stage of a job" in reply
+                await d.train_step(batches())
+                stream = await n.stage.open(OWNER, EXEC_PROTOCOL, timeout=2)
+                assert (await ask(stream, header))[0] is FrameKind.ACK
+                began = time.monotonic()
+                with pytest.raises(ProtocolError, match="leaving the swarm"):
+                    await d.run_iteration(batches(1))
+                assert time.monotonic() - began < 2.0  # not at the 5 s timeout
+                assert await d.unresponsive(1.0) == [STAGE]  # lost, though it still answers pings
+            finally:
+                await d.aclose()
+
+    asyncio.run(run())
+
+
 def test_a_duplicate_opdata_is_refused_before_its_body_is_read() -> None:
     async def run() -> None:
         async with net() as n:

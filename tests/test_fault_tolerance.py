@@ -61,7 +61,7 @@ def _job(tmp: Path, **changes: Any) -> JobSpec:
 @pytest.fixture(scope="module")
 def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
     workdir = str(tmp_path_factory.mktemp("fault"))
-    with LocalSwarm(5, swarm="fault", workdir=workdir, peer_args=[PEER_ARGS] * 5) as swarm:
+    with LocalSwarm(6, swarm="fault", workdir=workdir, peer_args=[PEER_ARGS] * 6) as swarm:
         yield swarm
 
 
@@ -150,6 +150,30 @@ def test_a_killed_stage_owner_is_planned_around_from_the_last_checkpoint(
     )
     assert any(e.startswith("restored: ") for e in report.events)
     assert f"run {result.run_id}: step {job.steps}/{job.steps}" in format_runs(client.runs(), time.time())
+
+
+def test_a_stage_owner_that_leaves_tells_the_data_owner_at_once(
+    client: Swarm, local: LocalSwarm, tmp_path: Path
+) -> None:
+    """Ctrl-C on a stage peer: it says it leaves, and the job re-plans long before its deadline."""
+    _wait_idle(client, 3, timeout=90)
+    job = _job(tmp_path, name="ft-leave", steps=16, deadline_s=90.0)
+    left: dict[str, Any] = {}
+
+    def on_step(row: dict[str, Any]) -> None:
+        if row["step"] == 7 and not left:
+            left["peer"] = _victim(row, client)
+            left["index"] = _index(local, left["peer"])
+            left["at"] = time.time()
+            local.signal(left["index"], signal.SIGINT)
+
+    result = client.train(job, progress=False, out=lambda *_: None, on_step=on_step)
+    assert len(result.losses) == job.steps
+    lost = next(e for e in _events(result.run_dir) if e["event"] == "peer_lost")
+    assert lost["lost"] == [left["peer"]] and "leaving the swarm" in lost["error"]
+    assert lost["time"] - left["at"] < 20  # told, not found out at the 90 s step deadline
+    assert local.peers[left["index"]].popen.wait(60) == 0  # it left in order
+    _assert_same_training(result.losses, job)
 
 
 def test_a_stopped_stage_owner_is_planned_around_and_waking_up_corrupts_nothing(

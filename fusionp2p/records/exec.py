@@ -44,7 +44,8 @@ __all__ = [
 
 # checkpoint: write this stage's shard (a ShardOrder); shard_put: a shard's replica, from a
 # stage of the job; grant / shard_get: who may read a shard, and reading it (records.shards);
-# load_local: load pretrained tensors from this peer's own copy (a LocalWeights)
+# load_local: load pretrained tensors from this peer's own copy (a LocalWeights); leaving:
+# a stage owner tells its job's data owner that it is leaving the swarm (no body)
 EXEC_COMMANDS = (
     "setup",
     "weights",
@@ -57,6 +58,7 @@ EXEC_COMMANDS = (
     "grant",
     "shard_get",
     "load_local",
+    "leaving",
 )
 FETCHABLE = ("params", "grads", "state")  # state: every tensor and the optimizer's, for a checkpoint
 CONTROL_REPLY_BYTES = 4 << 10  # an ACK or an ERROR reason

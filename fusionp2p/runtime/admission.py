@@ -92,7 +92,8 @@ def admit_control(
     header: ExecControl,
 ) -> int:
     """The body size ``remote`` may send with this control message: anyone may ping or
-    (per ``admit_setup``) set a job up; only a job's owner may command it.
+    (per ``admit_setup``) set a job up; a stage owner may tell the job's owner that it is
+    leaving; only a job's owner may command it.
 
     Raises:
         ProtocolError / LimitError: it may not (the reason is sent back).
@@ -116,6 +117,11 @@ def admit_control(
                 f"{remote[:12]} runs no stage of job {job.name} whose shard is {header.what:.40}"
             )
         return job.shard_limit
+    if command == "leaving":  # from a stage owner of the job, to its owner
+        stage_owners = {peer for peer, _ in job.setup.peers} - {job.owner}
+        if job.setup.stage != job.setup.data_stage or remote not in stage_owners:
+            raise ProtocolError(f"{remote[:12]} runs no stage of a job {job.name} owned here")
+        return 0
     if remote != job.owner:
         raise ProtocolError(f"only the peer that set job {job.name} up may {command} it")
     if command == "checkpoint":

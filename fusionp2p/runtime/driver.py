@@ -431,8 +431,10 @@ class PipelineDriver:
         return merged
 
     async def unresponsive(self, timeout: float = DEFAULT_TIMEOUTS.ping) -> list[str]:
-        """The stage owners that do not answer a ping within ``timeout`` s (dead or stopped);
-        each is asked on a fresh stream, so a stuck request of the job cannot hide it."""
+        """The stage owners that said they leave the swarm, and those that do not answer a
+        ping within ``timeout`` s (dead or stopped); each is asked on a fresh stream, so a
+        stuck request of the job cannot hide it."""
+        leaving = self.service.leaving(self.job)
         ping = ExecControl(command="ping", job=self.job)
 
         async def alive(peer_id: str) -> bool:
@@ -447,9 +449,9 @@ class PipelineDriver:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(client.aclose(), timeout)
 
-        peers = [client.peer_id for client in self._clients.values()]
+        peers = [client.peer_id for client in self._clients.values() if client.peer_id not in leaving]
         answers = await asyncio.gather(*(alive(p) for p in peers))
-        return [p for p, ok in zip(peers, answers, strict=True) if not ok]
+        return sorted(leaving) + [p for p, ok in zip(peers, answers, strict=True) if not ok]
 
     async def aclose(self, teardown_timeout: float = DEFAULT_TIMEOUTS.teardown) -> None:
         """Tears the job down on every stage (best effort, each within ``teardown_timeout``

@@ -76,6 +76,7 @@ class Job:
     held_peak: int = 0  # the most micro-batches holding activations here at once, this iteration
     last_held_peak: int = 0  # ... in the last finished iteration
     last_active: float = field(default_factory=time.monotonic)
+    leaving: set[str] = field(default_factory=set)  # stage owners that said they leave the swarm
     closed: bool = False
     max_body: int = 0  # the largest body any message of this job may carry
     weights_limit: int = 0

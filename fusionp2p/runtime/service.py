@@ -53,7 +53,7 @@ from fusionp2p.runtime.admission import (
     check_setup,
     find_job,
 )
-from fusionp2p.runtime.codec import read_message_header, unpack_message
+from fusionp2p.runtime.codec import ExecClient, read_message_header, unpack_message
 from fusionp2p.runtime.compute import ComputeQueue
 from fusionp2p.runtime.engines import ENGINES, BuildStage
 from fusionp2p.runtime.executor import Executor, Message
@@ -70,6 +70,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 PlanCheck = Callable[[JobSetup, str], Awaitable[None]]  # (setup, sender) -> None, or ProtocolError
 _REAP_PERIOD = 5.0
+_LEAVING_NOTICE_S = 3.0  # how long a leaving peer waits for a job owner to hear it
 
 
 class ExecutorService:
@@ -116,14 +117,33 @@ class ExecutorService:
         return self
 
     async def aclose(self) -> None:
-        """Stops serving, ends every job's senders and the compute thread."""
+        """Stops serving, tells the owners of the jobs it runs a stage of that it is
+        leaving, ends every job's senders and the compute thread."""
         await self.transport.stop_serving(EXEC_PROTOCOL)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._say_leaving()
         for job in list(self.jobs.values()):
             await self._drop(job, "this peer is shutting down")
         self.compute.shutdown()
+
+    async def _say_leaving(self) -> None:
+        """Each job's owner learns now, not at its step deadline, that this stage is gone."""
+        me = self.transport.peer_id
+
+        async def tell(job: Job) -> None:
+            client = ExecClient(
+                self.transport, job.owner, timeout=min(self.policy.timeout, _LEAVING_NOTICE_S)
+            )
+            try:
+                await client.request(ExecControl(command="leaving", job=job.name))
+            except FusionP2PError as e:
+                logger.info("could not tell %s that this peer leaves job %s: %s", job.owner[-8:], job.name, e)
+            finally:
+                await client.aclose()
+
+        await asyncio.gather(*(tell(job) for job in self.jobs.values() if job.owner != me))
 
     async def in_pool(self, fn: Callable[[], T]) -> T:
         """Runs ``fn`` on the compute thread (the one every executor's work runs on)."""
@@ -283,6 +303,12 @@ class ExecutorService:
         """
         await self.compute.wait_ready(self._job(job_name))
 
+    def leaving(self, job_name: str) -> set[str]:
+        """The stage owners of a job owned here that said they leave the swarm (none if
+        the job is gone)."""
+        job = self.jobs.get(job_name)
+        return set(job.leaving) if job is not None else set()
+
     async def step(self, job_name: str) -> tuple[float, int]:
         """Once the job's iteration is done here, applies the optimizer and moves on; the
         seconds this stage computed in the iteration, and the most micro-batches whose
@@ -310,6 +336,11 @@ class ExecutorService:
         if header.command == "shard_get":
             return FrameKind.DATA, await self.shards.get(remote, body)
         job = self._job(header.job)
+        if header.command == "leaving":  # admitted: a stage owner of a job this peer owns
+            job.leaving.add(remote)
+            job.fail(f"stage owner {remote} is leaving the swarm")
+            await self.compute.notify()
+            return FrameKind.ACK, b""
         progress = header.command != "fetch"  # reading a job's state does not keep it alive
         if progress:
             job.touch()
