@@ -84,19 +84,28 @@ def test_an_emulated_slower_device_takes_longer_and_measures_slower(tmp_path, mo
     assert Throttle(0.25).run(work) == 7
     assert time.perf_counter() - start >= 0.08  # 4x the work's CPU time
     start = time.perf_counter()
-    Throttle(0.25).run(lambda: time.sleep(0.05))  # waiting is not work: no CPU, no extra sleep
-    assert time.perf_counter() - start < 0.1
+    Throttle(0.25).run(lambda: time.sleep(0.3))  # waiting is not work: no CPU, no extra sleep
+    assert time.perf_counter() - start < 0.8  # a throttle that counted the wait would take 1.2 s
     with pytest.raises(ConfigError, match="in \\(0, 1\\]"):
         Throttle(1.5)
-    full, slowed = measure_device("cpu", budget_s=0.2), measure_device("cpu", budget_s=0.2, speed=0.2)
-    assert slowed.flops["float32"] < 0.4 * full.flops["float32"]  # ~0.2x, with room for this machine's noise
-    # Top-K coding slows down with the device: what a compressed link costs a slow peer
-    numel, kept = 1e6, 1e5
-    coding = [
-        p.topk_codec_s["send_element_s"] * numel + p.topk_codec_s["send_entry_s"] * kept
-        for p in (full, slowed)
-    ]
-    assert coding[1] > 2 * coding[0]
+
+    def slowdowns() -> tuple[float, float]:
+        """The 0.2x device's FLOP/s over full speed's, and its Top-K coding time over full speed's."""
+        full, slowed = measure_device("cpu", budget_s=0.2), measure_device("cpu", budget_s=0.2, speed=0.2)
+        numel, kept = 1e6, 1e5
+        coding = [
+            p.topk_codec_s["send_element_s"] * numel + p.topk_codec_s["send_entry_s"] * kept
+            for p in (full, slowed)
+        ]
+        return slowed.flops["float32"] / full.flops["float32"], coding[1] / coding[0]
+
+    # ~0.2x and ~5x; a busy machine can slow the full-speed run alone, so up to 3 tries
+    for _ in range(3):
+        flops, coding = slowdowns()
+        if flops < 0.4 and coding > 2:
+            break
+    assert flops < 0.4  # measured slower
+    assert coding > 2  # Top-K coding slows down with the device: what a compressed link costs a slow peer
     monkeypatch.setenv("FUSIONP2P_CACHE", str(tmp_path))
     profile_device("cpu", speed=0.2)
     assert [p.name for p in tmp_path.glob("profile-*speed0.2.json")]  # cached apart from full speed
