@@ -34,8 +34,8 @@ lint: $(STAMP)
 test: lint
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
 
-test-fast: $(STAMP)  # a few minutes: everything but the tests that start peers or swarms
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not swarm"
+test-fast: $(STAMP)  # under 3 minutes: everything but the tests that start processes or take long
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not swarm and not slow"
 
 clean:
 	rm -rf $(VENV) *.egg-info

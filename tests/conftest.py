@@ -11,18 +11,21 @@ import psutil
 import pytest
 
 # files whose tests start peers, swarms or other processes (most of the suite's minutes):
-# `make test-fast` leaves them out (pytest -m "not swarm"); `make test` runs everything
+# `make test-fast` leaves them out, and the in-process tests marked `slow` (pytest -m "not
+# swarm and not slow"); `make test` runs everything
 SWARM_MODULES = frozenset(
     {
         "test_coordinator.py",
         "test_demo_digits.py",
         "test_fault_tolerance.py",
         "test_flow_control.py",
+        "test_large_model.py",
         "test_lying_coordinator.py",
         "test_newcomer.py",
         "test_plan_pipeline.py",
         "test_probe_latency.py",
         "test_remote_autodiff.py",
+        "test_scale_sim.py",
         "test_security.py",
         "test_swarm_integration.py",
         "test_testbed.py",

@@ -154,6 +154,7 @@ def _gpt2(n_layer: int, seq: int) -> ModelSpec:
     return ModelSpec("gpt2", config, input_shape=(1, seq))
 
 
+@pytest.mark.slow
 def test_a_flood_of_heavy_requests_does_not_starve_a_light_one() -> None:
     """Five identities ask for a model whose trace runs past the operator's 3 s budget, an
     honest data owner asks for a small one just after: it is planned next, and every heavy

@@ -254,6 +254,7 @@ def test_exact_solver_agrees_with_brute_force_over_estimate(
     assert op_fence(dag, topo, cost).iteration_s <= brute * 1.10
 
 
+@pytest.mark.slow
 def test_op_fence_beats_the_baselines_and_stays_near_the_optimum_on_synthetic_swarms() -> None:
     dag = gpt2_small(seq_len=1024, micro_batch=4)
     cost = CostConfig(n_micro_batches=8)

@@ -89,6 +89,7 @@ def test_a_renamed_tensor_a_wrong_shape_or_a_corrupted_file_is_refused_in_one_li
         PretrainedWeights(tmp_path / "absent")
 
 
+@pytest.mark.swarm
 def test_stages_load_their_own_copy_checked_by_digest_or_receive_the_tensors(tmp_path: Path) -> None:
     """Peer A has the same save_pretrained directory: its stage loads from it. Peer B's copy
     has one tensor changed: its digest differs, so B is sent its tensors instead."""
