@@ -535,3 +535,67 @@ def test_a_links_latency_is_on_the_path_once_not_the_links_busy_time() -> None:
     assert est.bottleneck_s == pytest.approx(3.0)  # 3.0 too when latency was busy time: compare links
     slow = estimate(two_node_dag(), two_peers(latency=5.0), [Stage(0, (0,)), Stage(1, (1,))], cost)
     assert slow.bottleneck_s == pytest.approx(3.0)  # priced as busy time, the link (6 s) would be
+
+
+def _brute_force_chain(stage, link_fill, link_max, cap):
+    """The DP's objective over every increasing slot sequence and every set of cuts."""
+    depth, m, k1, _ = stage.shape
+    last, best = k1 - 1, math.inf
+    for n in range(1, min(m, last) + 1):
+        for slots in itertools.combinations(range(m), n):
+            for inner in itertools.combinations(range(1, last), n - 1):
+                cuts = (0, *inner, last)
+                held = [min(n - k, depth) - 1 for k in range(n)]  # stage k holds min(n_b, n - k)
+                stages = [stage[held[k], slots[k], cuts[k], cuts[k + 1]] for k in range(n)]
+                links = [(slots[k], slots[k + 1], cuts[k + 1]) for k in range(n - 1)]
+                fills = [link_fill[j, lk, c] for j, lk, c in links]
+                maxes = [link_max[j, lk, c] for j, lk, c in links]
+                if cap is None:
+                    value = max(stages + maxes)
+                elif max(stages + maxes) <= cap:
+                    value = sum(stages) + sum(fills)
+                else:
+                    value = math.inf
+                best = min(best, value)
+    return best
+
+
+def test_the_cut_dp_finds_the_brute_force_optimum_and_a_plan_that_reaches_it() -> None:
+    from fusionp2p.planning.sequence_search import _dp, _dp_depths
+
+    rng = np.random.default_rng(7)
+    for case in range(80):
+        depth, m, k1 = int(rng.integers(1, 4)), int(rng.integers(1, 6)), int(rng.integers(2, 8))
+        work = np.concatenate([[0.0], np.cumsum(rng.random(k1 - 1) * 10)])  # prefix sums, as a chain's
+        if case % 3 == 0:
+            work = np.round(work)  # ties
+        span = work[None, :] - work[:, None]
+        seconds = np.where(span > 0, span, np.inf)[None] / rng.uniform(0.5, 2.0, size=(m, 1, 1))
+        # holding more micro-batches takes memory, not time: a stage fits up to some depth
+        fits = rng.integers(0, depth + 1, size=(m, k1, k1))
+        stage = np.where(np.arange(depth)[:, None, None, None] < fits, seconds, np.inf)
+        link_fill, link_max = rng.random((m, m, k1)) * 0.5, rng.random((m, m, k1)) * 0.5
+        for cap, dp in itertools.product((None, 4.0, 9.0, math.inf), (_dp, _dp_depths)):
+            want = _brute_force_chain(stage, link_fill, link_max, cap)
+            value, triples = dp(stage, link_fill, link_max, cap)
+            assert value == pytest.approx(want, rel=1e-12) or (math.isinf(value) and math.isinf(want))
+            if not math.isfinite(want):
+                assert triples == []
+                continue
+            slots = [j for j, _, _ in triples]
+            assert slots == sorted(set(slots)) and triples[0][1] == 0 and triples[-1][2] == k1 - 1
+            assert all(a[2] == b[1] for a, b in itertools.pairwise(triples))  # contiguous
+            cuts = (0, *(e for _, _, e in triples))
+            got = _brute_force_chain_of(stage, link_fill, link_max, cap, slots, cuts)
+            assert got == pytest.approx(value, rel=1e-12)
+
+
+def _brute_force_chain_of(stage, link_fill, link_max, cap, slots, cuts):
+    n, depth = len(slots), stage.shape[0]
+    held = [min(n - k, depth) - 1 for k in range(n)]
+    stages = [stage[held[k], slots[k], cuts[k], cuts[k + 1]] for k in range(n)]
+    links = [(slots[k], slots[k + 1], cuts[k + 1]) for k in range(n - 1)]
+    maxes = [link_max[j, lk, c] for j, lk, c in links]
+    if cap is None:
+        return max(stages + maxes)
+    return sum(stages) + sum(link_fill[j, lk, c] for j, lk, c in links)

@@ -17,6 +17,8 @@ from fusionp2p.planning.topology import Topology
 
 __all__ = ["ChainCosts"]
 
+_LINK_CACHE_ENTRIES = 1 << 14  # ~140 MiB for a 500-node OP-DAG at most; cleared when full
+
 
 class ChainCosts:
     """Prefix sums of an OP-DAG plus the swarm, for fast stage and link costs."""
@@ -30,6 +32,7 @@ class ChainCosts:
         self.saved = np.concatenate([[0.0], np.cumsum([float(n.saved_bytes) for n in dag.nodes])])
         self.cut = np.array(dag.cut_bytes(), dtype=float)
         self._stage_cache: dict[tuple[int, int, bytes], np.ndarray] = {}
+        self._link_cache: dict[tuple[int, int, float], tuple[np.ndarray, np.ndarray]] = {}
 
     def stage_matrix(self, peer: int, inflight: int, positions: np.ndarray | None = None) -> np.ndarray:
         """``[s, e]``: forward+backward seconds of the stage from ``positions[s]`` to ``positions[e]``
@@ -53,10 +56,21 @@ class ChainCosts:
     def link_times(self, src: int, dst: int, ratio: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
         """(forward, backward) seconds per cut position for a link src -> dst at ``ratio``;
         the forward holds the link's Top-K coding time (``estimate`` counts it as the peers'
-        work too)."""
+        work too). Memoized for a scalar ratio (every order OP-Fence tries asks again)."""
         if src == dst:
             zeros = np.zeros_like(self.cut)
             return zeros, zeros
+        if np.ndim(ratio) == 0:
+            key = (src, dst, float(ratio))
+            cached = self._link_cache.get(key)
+            if cached is None:
+                if len(self._link_cache) >= _LINK_CACHE_ENTRIES:
+                    self._link_cache.clear()
+                cached = self._link_cache[key] = self._link_times(src, dst, ratio)
+            return cached
+        return self._link_times(src, dst, ratio)
+
+    def _link_times(self, src: int, dst: int, ratio: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
         wire = self.cost.wire.wire_bytes(self.cut, ratio)
         send, recv = self.topo.coding_s(src, dst, self.cut / self.cost.wire.dense_value_bytes, ratio)
         fwd = self.topo.latency[src, dst] + wire / self.topo.bandwidth[src, dst] + send + recv

@@ -46,6 +46,17 @@ def _positions(ch: ChainCosts, max_positions: int) -> np.ndarray:
     return np.union1d(pos, [0, ch.n])
 
 
+def _followers(depth: int) -> tuple[np.ndarray, np.ndarray]:
+    """For each depth d, the depths a stage after a depth-d stage may have (at most two,
+    ``-1`` for none): stage k holds ``min(d_next + 1, depth - 1)``, so d follows d - 1, and
+    the last depth (that many or more) follows itself too."""
+    first, second = np.full(depth, -1), np.full(depth, -1)
+    for d in range(depth):
+        dns = [dn for dn in range(depth) if min(dn + 1, depth - 1) == d]
+        first[d], second[d] = ([*dns, -1, -1])[:2]
+    return first, second
+
+
 def _dp(
     stage: np.ndarray, link_fill: np.ndarray, link_max: np.ndarray, cap: float | None
 ) -> tuple[float, list[tuple[int, int, int]]]:
@@ -58,38 +69,57 @@ def _dp(
     the number of stages from it to the end, so the DP runs over suffixes and knows that
     depth exactly. ``cap is None`` minimizes the bottleneck; otherwise the critical path
     with every element <= cap. Returns the value and (slot, s, e) triples.
+
+    A stage of slot j over [s, e) followed by slot l from e costs ``stage[d, j, s, e]``
+    combined with ``via[d, j, e]``, the best over l of the link j -> l at e combined with
+    l's value from e. ``via`` does not depend on s, so it is made once per position, as
+    soon as the values from that position are known: m^2 work per position, not per pair
+    of positions. Ties go to the first follower depth, then the lowest slot, then the
+    earliest cut, as a search over every (l, e) in that order would pick.
     """
     depth, m, k1, _ = stage.shape
     last = k1 - 1
-    value = np.full((depth, m, k1), np.inf)  # [d, j, s]: positions s.. with their first stage on j
+    value = np.full((depth + 1, m, k1), np.inf)  # [d, j, s]: positions s.. with their first stage on j
+    # (row ``depth``: no stage, for a follower depth that does not exist)
     back = np.full((depth, m, k1, 3), -1, dtype=int)  # the next stage's slot, start and depth
-    later = np.triu(np.ones((m, m), dtype=bool), 1)[:, :, None]  # [j, l]: slot l comes after slot j
-    rows = np.arange(m)
-    followers = [[dn for dn in range(depth) if min(dn + 1, depth - 1) == d] for d in range(depth)]
+    via = np.full((depth, m, k1), np.inf)  # [d, j, e]: the best continuation from cut e
+    via_rank = np.zeros((depth, m, k1), dtype=int)  # its follower (0 or 1) * m + its slot
+    first, second = _followers(depth)
+    dn_of = np.where(np.stack([first, second]) >= 0, np.stack([first, second]), depth)  # [which, d]
+    earlier = ~np.triu(np.ones((m, m), dtype=bool), 1)  # [j, l]: slot l does not come after slot j
+    rows = np.arange(m)[None, :]
+    levels = np.arange(depth)[:, None]
+
+    def continuation(e: int) -> None:
+        """``via[:, :, e]`` from the values at e: the best over (follower depth, slot l)."""
+        prev = value[dn_of, :, e][:, :, None, :]  # [which, d, 1, l]
+        lk_max = link_max[:, :, e]  # [j, l]
+        if cap is None:
+            cand = np.maximum(prev, lk_max)
+        else:
+            cand = np.where(lk_max <= cap, prev + link_fill[:, :, e], np.inf)
+        cand = np.where(earlier, np.inf, cand).transpose(1, 2, 0, 3).reshape(depth, m, 2 * m)
+        rank = np.argmin(cand, axis=2)  # which * m + l: the first follower, then the lowest slot
+        via_rank[:, :, e] = rank
+        via[:, :, e] = np.take_along_axis(cand, rank[:, :, None], axis=2)[:, :, 0]
+
     for s in range(last - 1, -1, -1):
         alone = stage[0, :, s, last]  # the last stage holds one micro-batch
         value[0, :, s] = alone if cap is None else np.where(alone <= cap, alone, np.inf)
-        if s + 1 >= last or m < 2:
-            continue
-        width = last - s - 1
-        lk_max = link_max[:, :, s + 1 : last]  # [j, l, e]
-        lk_fill = link_fill[:, :, s + 1 : last]
-        for d in range(depth):
-            st = stage[d, :, s, s + 1 : last][:, None, :]  # [j, 1, e]
-            for dn in followers[d]:
-                prev = value[dn, :, s + 1 : last][None, :, :]  # [1, l, e]
-                if cap is None:
-                    cand = np.maximum(np.maximum(prev, lk_max), st)
-                else:
-                    cand = np.where((lk_max <= cap) & (st <= cap), prev + lk_fill + st, np.inf)
-                cand = np.where(later, cand, np.inf).reshape(m, -1)  # [j, l*e]
-                idx = np.argmin(cand, axis=1)
-                found = cand[rows, idx]
-                better = found < value[d, :, s]
-                value[d, :, s] = np.where(better, found, value[d, :, s])
-                for col, new in enumerate((idx // width, idx % width + s + 1, np.full(m, dn))):
-                    back[d, :, s, col] = np.where(better, new, back[d, :, s, col])
-    d, j = (int(x) for x in np.unravel_index(int(np.argmin(value[:, :, 0])), (depth, m)))
+        if s + 1 < last and m >= 2:
+            st = stage[:, :, s, s + 1 : last]  # [d, j, e]
+            cont = via[:, :, s + 1 : last]
+            cand = np.maximum(cont, st) if cap is None else np.where(st <= cap, cont + st, np.inf)
+            found = cand.min(axis=2)  # [d, j]
+            key = np.where(cand == found[:, :, None], via_rank[:, :, s + 1 : last] * k1, m * 2 * k1)
+            cut = np.argmin(key + np.arange(cand.shape[2]), axis=2)  # the lowest (rank, e) among ties
+            better = found < value[:depth, :, s]
+            rank = via_rank[levels, rows, cut + s + 1]
+            value[:depth, :, s] = np.where(better, found, value[:depth, :, s])
+            for col, new in enumerate((rank % m, cut + s + 1, dn_of[rank // m, levels])):
+                back[:, :, s, col] = np.where(better, new, back[:, :, s, col])
+        continuation(s)
+    d, j = (int(x) for x in np.unravel_index(int(np.argmin(value[:depth, :, 0])), (depth, m)))
     total = float(value[d, j, 0])
     if not math.isfinite(total):
         return total, []
