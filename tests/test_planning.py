@@ -561,7 +561,7 @@ def _brute_force_chain(stage, link_fill, link_max, cap):
 
 
 def test_the_cut_dp_finds_the_brute_force_optimum_and_a_plan_that_reaches_it() -> None:
-    from fusionp2p.planning.sequence_search import _dp, _dp_depths
+    from fusionp2p.planning.sequence_search import _dp, _dp_caps, _dp_depths, _dp_depths_caps
 
     rng = np.random.default_rng(7)
     for case in range(80):
@@ -575,7 +575,13 @@ def test_the_cut_dp_finds_the_brute_force_optimum_and_a_plan_that_reaches_it() -
         fits = rng.integers(0, depth + 1, size=(m, k1, k1))
         stage = np.where(np.arange(depth)[:, None, None, None] < fits, seconds, np.inf)
         link_fill, link_max = rng.random((m, m, k1)) * 0.5, rng.random((m, m, k1)) * 0.5
-        for cap, dp in itertools.product((None, 4.0, 9.0, math.inf), (_dp, _dp_depths)):
+        caps = [4.0, 9.0, math.inf]  # several caps in one pass give what each gives alone
+        for many in (_dp_caps, _dp_depths_caps):
+            single = _dp if many is _dp_caps else _dp_depths
+            assert many(stage, link_fill, link_max, caps) == [
+                single(stage, link_fill, link_max, c) for c in caps
+            ]
+        for cap, dp in itertools.product((None, *caps), (_dp, _dp_depths)):
             want = _brute_force_chain(stage, link_fill, link_max, cap)
             value, triples = dp(stage, link_fill, link_max, cap)
             assert value == pytest.approx(want, rel=1e-12) or (math.isinf(value) and math.isinf(want))

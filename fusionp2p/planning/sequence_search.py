@@ -57,18 +57,22 @@ def _followers(depth: int) -> tuple[np.ndarray, np.ndarray]:
     return first, second
 
 
-def _dp(
-    stage: np.ndarray, link_fill: np.ndarray, link_max: np.ndarray, cap: float | None
-) -> tuple[float, list[tuple[int, int, int]]]:
-    """One DP pass over K cut positions and m sequence slots, from the end of the OP-DAG.
+Triples = list[tuple[int, int, int]]
+
+
+def _dp_caps(
+    stage: np.ndarray, link_fill: np.ndarray, link_max: np.ndarray, caps: Sequence[float] | None
+) -> list[tuple[float, Triples]]:
+    """One DP pass over K cut positions and m sequence slots, from the end of the OP-DAG,
+    for each of ``caps`` at once (``None``: one pass that minimizes the bottleneck).
 
     ``stage[d, j, s, e]``: seconds of slot j covering positions s..e (indices into the cut
     positions) while it holds the activations of d + 1 micro-batches (inf where that does
     not fit; the last depth stands for that many or more); ``link_*[l, j, s]``: link l -> j
     at position s. Stage k of S holds ``min(n_b, S - k)`` micro-batches (``cost.in_flight``),
     the number of stages from it to the end, so the DP runs over suffixes and knows that
-    depth exactly. ``cap is None`` minimizes the bottleneck; otherwise the critical path
-    with every element <= cap. Returns the value and (slot, s, e) triples.
+    depth exactly. With a cap, the DP minimizes the critical path with every element <= cap.
+    Returns, per cap, the value and (slot, s, e) triples.
 
     A stage of slot j over [s, e) followed by slot l from e costs ``stage[d, j, s, e]``
     combined with ``via[d, j, e]``, the best over l of the link j -> l at e combined with
@@ -79,47 +83,56 @@ def _dp(
     """
     depth, m, k1, _ = stage.shape
     last = k1 - 1
-    value = np.full((depth + 1, m, k1), np.inf)  # [d, j, s]: positions s.. with their first stage on j
-    # (row ``depth``: no stage, for a follower depth that does not exist)
-    back = np.full((depth, m, k1, 3), -1, dtype=int)  # the next stage's slot, start and depth
-    via = np.full((depth, m, k1), np.inf)  # [d, j, e]: the best continuation from cut e
-    via_rank = np.zeros((depth, m, k1), dtype=int)  # its follower (0 or 1) * m + its slot
+    bottleneck = caps is None
+    n_caps = 1 if caps is None else len(caps)
+    cap = np.full((n_caps, 1, 1), np.inf) if caps is None else np.asarray(caps, dtype=float)[:, None, None]
+    value = np.full((n_caps, depth + 1, m, k1), np.inf)  # [c, d, j, s]: positions s.., first stage on j
+    # (depth row ``depth``: no stage, for a follower depth that does not exist)
+    back = np.full((n_caps, depth, m, k1, 3), -1, dtype=int)  # the next stage's slot, start and depth
+    via = np.full((n_caps, depth, m, k1), np.inf)  # [c, d, j, e]: the best continuation from cut e
+    via_rank = np.zeros((n_caps, depth, m, k1), dtype=int)  # its follower (0 or 1) * m + its slot
     first, second = _followers(depth)
     dn_of = np.where(np.stack([first, second]) >= 0, np.stack([first, second]), depth)  # [which, d]
     earlier = ~np.triu(np.ones((m, m), dtype=bool), 1)  # [j, l]: slot l does not come after slot j
-    rows = np.arange(m)[None, :]
-    levels = np.arange(depth)[:, None]
+    levels = np.arange(depth)[None, :, None]
 
     def continuation(e: int) -> None:
-        """``via[:, :, e]`` from the values at e: the best over (follower depth, slot l)."""
-        prev = value[dn_of, :, e][:, :, None, :]  # [which, d, 1, l]
+        """``via[..., e]`` from the values at e: the best over (follower depth, slot l)."""
+        prev = value[..., e][:, dn_of][:, :, :, None, :]  # [c, which, d, 1, l]
         lk_max = link_max[:, :, e]  # [j, l]
-        if cap is None:
+        if bottleneck:
             cand = np.maximum(prev, lk_max)
         else:
-            cand = np.where(lk_max <= cap, prev + link_fill[:, :, e], np.inf)
-        cand = np.where(earlier, np.inf, cand).transpose(1, 2, 0, 3).reshape(depth, m, 2 * m)
-        rank = np.argmin(cand, axis=2)  # which * m + l: the first follower, then the lowest slot
-        via_rank[:, :, e] = rank
-        via[:, :, e] = np.take_along_axis(cand, rank[:, :, None], axis=2)[:, :, 0]
+            cand = np.where(lk_max <= cap[:, :, :, None, None], prev + link_fill[:, :, e], np.inf)
+        cand = np.where(earlier, np.inf, cand).transpose(0, 2, 3, 1, 4).reshape(n_caps, depth, m, 2 * m)
+        rank = np.argmin(cand, axis=3)  # which * m + l: the first follower, then the lowest slot
+        via_rank[..., e] = rank
+        via[..., e] = np.take_along_axis(cand, rank[..., None], axis=3)[..., 0]
 
     for s in range(last - 1, -1, -1):
         alone = stage[0, :, s, last]  # the last stage holds one micro-batch
-        value[0, :, s] = alone if cap is None else np.where(alone <= cap, alone, np.inf)
+        value[:, 0, :, s] = np.where(alone <= cap[:, 0], alone, np.inf)
         if s + 1 < last and m >= 2:
             st = stage[:, :, s, s + 1 : last]  # [d, j, e]
-            cont = via[:, :, s + 1 : last]
-            cand = np.maximum(cont, st) if cap is None else np.where(st <= cap, cont + st, np.inf)
-            found = cand.min(axis=2)  # [d, j]
-            key = np.where(cand == found[:, :, None], via_rank[:, :, s + 1 : last] * k1, m * 2 * k1)
-            cut = np.argmin(key + np.arange(cand.shape[2]), axis=2)  # the lowest (rank, e) among ties
-            better = found < value[:depth, :, s]
-            rank = via_rank[levels, rows, cut + s + 1]
-            value[:depth, :, s] = np.where(better, found, value[:depth, :, s])
+            cont = via[..., s + 1 : last]  # [c, d, j, e]
+            cand = np.maximum(cont, st) if bottleneck else np.where(st <= cap[..., None], cont + st, np.inf)
+            found = cand.min(axis=3)  # [c, d, j]
+            ranks = via_rank[..., s + 1 : last]
+            key = np.where(cand == found[..., None], ranks * k1, m * 2 * k1)
+            cut = np.argmin(key + np.arange(cand.shape[3]), axis=3)  # the lowest (rank, e) among ties
+            better = found < value[:, :depth, :, s]
+            rank = np.take_along_axis(ranks, cut[..., None], axis=3)[..., 0]
+            value[:, :depth, :, s] = np.where(better, found, value[:, :depth, :, s])
             for col, new in enumerate((rank % m, cut + s + 1, dn_of[rank // m, levels])):
-                back[:, :, s, col] = np.where(better, new, back[:, :, s, col])
+                back[:, :, :, s, col] = np.where(better, new, back[:, :, :, s, col])
         continuation(s)
-    d, j = (int(x) for x in np.unravel_index(int(np.argmin(value[:depth, :, 0])), (depth, m)))
+    return [_walk(value[c, :depth], back[c], last) for c in range(n_caps)]
+
+
+def _walk(value: np.ndarray, back: np.ndarray, last: int) -> tuple[float, Triples]:
+    """The best value from position 0 and its stages, followed through ``back``."""
+    depth, m = value.shape[:2]
+    d, j = (int(x) for x in np.unravel_index(int(np.argmin(value[:, :, 0])), (depth, m)))
     total = float(value[d, j, 0])
     if not math.isfinite(total):
         return total, []
@@ -133,21 +146,42 @@ def _dp(
         j, s, d = nxt, e, dn
 
 
+def _dp(
+    stage: np.ndarray, link_fill: np.ndarray, link_max: np.ndarray, cap: float | None
+) -> tuple[float, Triples]:
+    """``_dp_caps`` for one cap (``None``: the smallest bottleneck)."""
+    return _dp_caps(stage, link_fill, link_max, None if cap is None else [cap])[0]
+
+
+def _fits(stage: np.ndarray, triples: Triples) -> bool:
+    """Whether every stage of ``triples`` fits while holding its true number of micro-batches."""
+    n, depth = len(triples), stage.shape[0]
+    return all(np.isfinite(stage[min(n - k, depth) - 1, j, s, e]) for k, (j, s, e) in enumerate(triples))
+
+
+def _dp_depths_caps(
+    stage: np.ndarray, link_fill: np.ndarray, link_max: np.ndarray, caps: Sequence[float] | None
+) -> list[tuple[float, Triples]]:
+    """``_dp_caps`` with every stage's in-flight depth, computed cheaply when memory is
+    loose: first as if every stage held one micro-batch (a relaxation: its optimum is a
+    lower bound); where that optimum fits with its true depths it is the optimum, else the
+    DP runs again over every depth, for those caps only."""
+    results = _dp_caps(stage[:1], link_fill, link_max, caps)
+    if stage.shape[0] == 1:
+        return results
+    again = [i for i, (_, triples) in enumerate(results) if triples and not _fits(stage, triples)]
+    if again:
+        redone = _dp_caps(stage, link_fill, link_max, None if caps is None else [caps[i] for i in again])
+        for i, result in zip(again, redone, strict=True):
+            results[i] = result
+    return results
+
+
 def _dp_depths(
     stage: np.ndarray, link_fill: np.ndarray, link_max: np.ndarray, cap: float | None
-) -> tuple[float, list[tuple[int, int, int]]]:
-    """``_dp`` with every stage's in-flight depth, computed cheaply when memory is loose:
-    first as if every stage held one micro-batch (a relaxation: its optimum is a lower
-    bound); when that optimum fits with its true depths it is the optimum, else the DP
-    runs again over every depth."""
-    total, triples = _dp(stage[:1], link_fill, link_max, cap)
-    if stage.shape[0] == 1 or not triples:
-        return total, triples
-    n = len(triples)
-    depth = stage.shape[0]
-    if all(np.isfinite(stage[min(n - k, depth) - 1, j, s, e]) for k, (j, s, e) in enumerate(triples)):
-        return total, triples
-    return _dp(stage, link_fill, link_max, cap)
+) -> tuple[float, Triples]:
+    """``_dp_depths_caps`` for one cap (``None``: the smallest bottleneck)."""
+    return _dp_depths_caps(stage, link_fill, link_max, None if cap is None else [cap])[0]
 
 
 def _framed(
@@ -245,8 +279,7 @@ def search_sequence(
         b_star, _ = _dp_depths(stage, link_fill, link_max, None)
         if not math.isfinite(b_star):
             return best
-        for factor in cap_factors:
-            _, triples = _dp_depths(stage, link_fill, link_max, b_star * factor)
+        for _, triples in _dp_depths_caps(stage, link_fill, link_max, [b_star * f for f in cap_factors]):
             if not triples:
                 continue
             stages = contiguous_stages([(seq[j], int(pos[s]), int(pos[e])) for j, s, e in triples])
