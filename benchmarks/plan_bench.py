@@ -234,6 +234,8 @@ def traced_scale(peer_counts: list[int], cost: CostConfig) -> None:
     """A job's plan as a coordinator makes it: a traced GPT-2 small, the data owner framed."""
     from fusionp2p.opdag.offline import OfflineModel, offline_dag
     from fusionp2p.planning.methods import plan_job
+    from fusionp2p.planning.owner import OwnerFrame, owner_part
+    from fusionp2p.planning.replicas import plan_replicas
 
     dag = offline_dag(OfflineModel("gpt2", {}, seq_len=1024, micro_batch=4, trace=True))
     for n_peers in peer_counts:
@@ -245,6 +247,24 @@ def traced_scale(peer_counts: list[int], cost: CostConfig) -> None:
         print(
             f"traced GPT-2 small ({len(dag)} nodes, data owner framed), {n_peers} peers in 8 clusters: "
             f"OP-Fence {took:.2f} s -> {len(plan.stages)} stages, {plan.iteration_s:.3f} s per iteration"
+        )
+        part = owner_part(dag)
+        assert part is not None
+        frame = OwnerFrame(0, part)  # peer 0 is the data owner, as in plan_job above
+        start = time.perf_counter()
+        auto = plan_replicas(dag, topo, cost, "auto", frame=frame)
+        took = time.perf_counter() - start
+        rates = []
+        for r in (1, 2, 4, 8):
+            try:
+                rate = plan_replicas(dag, topo, cost, r, frame=frame).micro_batches_per_s
+                rates.append(f"R={r} {rate:.1f}")
+            except PlanningError:
+                rates.append(f"R={r} no fit")
+        print(
+            f"  replicas 'auto' {took:.2f} s -> R={len(auto.replicas)} of {len(auto.replicas[0])} stages, "
+            f"{auto.micro_batches_per_s:.1f} micro-batches/s (step {auto.step_s:.3f} s, averaging "
+            f"{max(auto.averaging_s):.3f} s); each R: {', '.join(rates)}"
         )
 
 

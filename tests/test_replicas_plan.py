@@ -1,0 +1,106 @@
+"""Data-parallel replicas of one split: the plan, its averaging cost, and the choice of R."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from fusionp2p.opdag import TransformerShape, transformer_dag
+from fusionp2p.opdag.offline import OfflineModel, offline_dag
+from fusionp2p.planning import CompressionPolicy, CostConfig, PlanningError, Topology, synthetic_swarm
+from fusionp2p.planning.owner import OwnerFrame, owner_part
+from fusionp2p.planning.replicas import averaging_seconds, plan_replicas, shared_owner
+
+GPT = TransformerShape("gpt2", 8, 512, 8, 8192, 256, 2048, 8, True)
+DENSE = CostConfig(n_micro_batches=8, compression=CompressionPolicy(kind="none"))
+
+
+def _topo(seed: int, n_peers: int, n_clusters: int) -> Topology:
+    peers, links, _ = synthetic_swarm(seed, n_peers=n_peers, n_clusters=n_clusters)
+    return Topology.from_records(peers, links)
+
+
+def _uniform(n: int, *, gbit: float = 10.0, tflops: float = 20.0, gib: int = 16) -> Topology:
+    bandwidth = np.full((n, n), gbit * 1e9 / 8)
+    np.fill_diagonal(bandwidth, np.inf)
+    return Topology(
+        tuple(f"QmUniform{i:04d}" for i in range(n)),
+        np.full(n, tflops * 1e12),
+        np.full(n, float(gib << 30)),
+        bandwidth,
+        np.full((n, n), 1e-4) * (1 - np.eye(n)),
+        np.ones((n, n), dtype=bool),
+    )
+
+
+def test_an_all_reduce_moves_twice_the_non_owned_share_over_the_slowest_link() -> None:
+    topo = _uniform(4, gbit=8.0)  # 1e9 bytes/s
+    topo.bandwidth[2, 3] = 0.5e9
+    assert averaging_seconds(1e9, [0, 1], topo) == pytest.approx(1.0 + 2e-4)
+    assert averaging_seconds(1e9, [0, 1, 2, 3], topo) == pytest.approx(2 * 0.75 * 1e9 / 0.5e9 + 2e-4)
+    assert averaging_seconds(1e9, [0, 1], topo, ratio=10) == pytest.approx(0.1 + 2e-4)
+    assert averaging_seconds(1e9, [3], topo) == 0.0
+
+
+def test_replicas_share_one_split_on_disjoint_peers_and_a_step_waits_for_the_slowest() -> None:
+    dag = transformer_dag(GPT, seq_len=256, micro_batch=4, granularity="block")
+    topo = _topo(3, 16, 2)
+    plan = plan_replicas(dag, topo, DENSE, 2)
+    first, second = plan.replicas
+    assert [s.nodes for s in first] == [s.nodes for s in second]  # stage s holds the same parameters
+    assert not {s.peer for s in first} & {s.peer for s in second}
+    assert plan.n_micro_batches == 4  # the global batch of 8 micro-batches, split
+    assert plan.step_s == pytest.approx(max(e.iteration_s for e in plan.estimates) + max(plan.averaging_s))
+    for k, stage in enumerate(first):
+        grad_bytes = sum(dag.nodes[i].param_bytes for i in stage.nodes)
+        group = [first[k].peer, second[k].peer]
+        assert plan.averaging_s[k] == pytest.approx(averaging_seconds(grad_bytes, group, topo))
+
+
+def test_auto_keeps_the_replica_count_with_the_most_micro_batches_per_second() -> None:
+    dag = transformer_dag(GPT, seq_len=256, micro_batch=4, granularity="block")
+    topo = _uniform(12, tflops=1.0)  # one fast cluster, compute-bound, with room for several copies
+    auto = plan_replicas(dag, topo, DENSE, "auto")
+    rates = {}
+    for r in (1, 2, 4, 8):
+        try:
+            rates[r] = plan_replicas(dag, topo, DENSE, r).micro_batches_per_s
+        except PlanningError:
+            continue
+    assert len(auto.replicas) > 1  # replicas pay off inside one fast cluster
+    fast = plan_replicas(dag, _uniform(12, tflops=100.0), DENSE, "auto")  # ... unless averaging dominates
+    assert len(fast.replicas) == 1
+    assert auto.micro_batches_per_s == pytest.approx(max(rates.values()))
+    assert len(auto.replicas) == min(r for r, v in rates.items() if v == pytest.approx(max(rates.values())))
+
+
+def test_the_data_owner_runs_its_part_once_per_replica_and_is_planned_as_shared() -> None:
+    dag = offline_dag(
+        OfflineModel(
+            "gpt2", {"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 512}, seq_len=64, trace=True
+        )
+    )
+    topo = _uniform(9)
+    part = owner_part(dag)
+    assert part is not None
+    frame = OwnerFrame(0, part)
+    plan = plan_replicas(dag, topo, DENSE, 2, frame=frame)
+    for stages in plan.replicas:
+        assert stages[0].peer == 0 and stages[-1].peer == 0  # its head and tail in every replica
+        assert sum(s.peer == 0 for s in stages) == 2
+    assert plan.averaging_s[0] == plan.averaging_s[-1] == 0.0  # one copy of its part: nothing to average
+    shared = shared_owner(topo, 0, 2)
+    assert shared.speed[0] == topo.speed[0] / 2 and shared.speed[1] == topo.speed[1]
+    assert shared.bandwidth[0, 1] == topo.bandwidth[0, 1] / 2 and math.isinf(shared.bandwidth[0, 0])
+
+
+def test_a_replica_count_that_cannot_be_had_is_refused_with_the_reason() -> None:
+    dag = transformer_dag(GPT, seq_len=256, micro_batch=4, granularity="block")
+    with pytest.raises(PlanningError, match="cannot split 8 micro-batches"):
+        plan_replicas(dag, _uniform(6), DENSE, 3)
+    with pytest.raises(PlanningError, match="8 replicas of the plan do not fit the swarm's 4 peers"):
+        plan_replicas(dag, _uniform(4), DENSE, 8)
+    with pytest.raises(PlanningError, match="'auto' or a positive number"):
+        plan_replicas(dag, _uniform(4), DENSE, 0)
