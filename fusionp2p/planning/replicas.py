@@ -41,6 +41,9 @@ from fusionp2p.planning.topology import PlanningError, Topology
 
 __all__ = ["ReplicaPlan", "averaging_seconds", "plan_replicas", "shared_owner"]
 
+_CANDIDATES = 48  # OP-Fence's candidates for one pipeline; a replica of R searches 1/R of them ...
+_MIN_CANDIDATES = 12  # ... but never fewer than this
+
 
 @dataclass(frozen=True)
 class ReplicaPlan:
@@ -155,7 +158,9 @@ def _plan_r(
     sub = shared.subset([topo.peer_ids[p] for p in members])
     sub_frame = None if frame is None else OwnerFrame(0, frame.part)
     try:
-        first = op_fence(dag, sub, per_replica, frame=sub_frame)
+        first = op_fence(
+            dag, sub, per_replica, frame=sub_frame, max_candidates=max(_MIN_CANDIDATES, _CANDIDATES // r)
+        )
     except PlanningError:
         return None
     template = [Stage(members[s.peer], s.nodes) for s in first.stages]
