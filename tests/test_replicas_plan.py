@@ -61,7 +61,7 @@ def test_replicas_share_one_split_on_disjoint_peers_and_a_step_waits_for_the_slo
 
 def test_auto_keeps_the_replica_count_with_the_most_micro_batches_per_second() -> None:
     dag = transformer_dag(GPT, seq_len=256, micro_batch=4, granularity="block")
-    topo = _uniform(12, tflops=1.0)  # one fast cluster, compute-bound, with room for several copies
+    topo = _uniform(8, tflops=1.0)  # one fast cluster, compute-bound, with room for several copies
     auto = plan_replicas(dag, topo, DENSE, "auto")
     rates = {}
     for r in (1, 2, 4, 8):
@@ -70,7 +70,7 @@ def test_auto_keeps_the_replica_count_with_the_most_micro_batches_per_second() -
         except PlanningError:
             continue
     assert len(auto.replicas) > 1  # replicas pay off inside one fast cluster
-    fast = plan_replicas(dag, _uniform(12, tflops=100.0), DENSE, "auto")  # ... unless averaging dominates
+    fast = plan_replicas(dag, _uniform(8, tflops=100.0), DENSE, "auto")  # ... unless averaging dominates
     assert len(fast.replicas) == 1
     assert auto.micro_batches_per_s == pytest.approx(max(rates.values()))
     assert len(auto.replicas) == min(r for r, v in rates.items() if v == pytest.approx(max(rates.values())))
@@ -79,7 +79,7 @@ def test_auto_keeps_the_replica_count_with_the_most_micro_batches_per_second() -
 def test_the_data_owner_runs_its_part_once_per_replica_and_is_planned_as_shared() -> None:
     dag = offline_dag(
         OfflineModel(
-            "gpt2", {"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 512}, seq_len=64, trace=True
+            "gpt2", {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256}, seq_len=32, trace=True
         )
     )
     topo = _uniform(9)
