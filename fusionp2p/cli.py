@@ -208,7 +208,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         type=float,
         default=_PEER.trace_budget.seconds,
         metavar="S",
-        help="as coordinator, refuse a job whose model takes longer to trace (default: %(default)s)",
+        help="as coordinator, refuse a job whose trace takes more CPU seconds (default: %(default)s)",
     )
     jobs.add_argument(
         "--coordinator-max-model",

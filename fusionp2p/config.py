@@ -222,9 +222,9 @@ class TraceBudget:
     """What a coordinator spends on one job request (``fusionp2p peer --coordinator-trace-seconds``,
     ``--coordinator-max-model``)."""
 
-    seconds: float = 30.0  # one trace, after its model was built
+    seconds: float = 30.0  # CPU seconds of one trace, after its model was built
     max_model_bytes: int = 64 << 30  # the parameters of a model it plans
-    size_seconds: float = 10.0  # building the (fake) model to learn its size
+    size_seconds: float = 10.0  # CPU seconds building the (fake) model to learn its size
 
     def __post_init__(self) -> None:
         _positive("TraceBudget", seconds=self.seconds, size_seconds=self.size_seconds)

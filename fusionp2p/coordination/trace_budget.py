@@ -7,7 +7,11 @@ forkserver), in two steps. First the child builds the model under ``FakeTensorMo
 reports its parameter bytes: a model over ``TraceBudget.max_model_bytes`` is refused there,
 and the size is what the planning queue orders requests by (``coordination.queue``). Then,
 once the request's turn comes, the child traces and sends the OP-DAG back; a trace that
-takes longer than ``TraceBudget.seconds`` is killed and refused. The child is this peer's
+uses more than ``TraceBudget.seconds`` of CPU time is killed and refused. CPU time, not wall
+time: on a busy machine (the other requests' children sizing at once) a small model's trace
+waits for a core but still costs well under its budget, while a heavy one is cut off at the
+same cost however busy the machine is. A child that gets no CPU for ``_WALL_FACTOR`` times
+its budget is refused as well. The child is this peer's
 own code on a validated spec; what it sends back is the only thing unpickled, and it
 comes from that child, never from the wire.
 """
@@ -21,6 +25,7 @@ import multiprocessing.connection
 import threading
 from typing import Any
 
+import psutil
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -36,6 +41,8 @@ __all__ = ["TraceJob", "warm_up"]
 
 _PRELOAD = ["fusionp2p.opdag.trace", "fusionp2p.coordination.tracer_preload"]
 _EXIT_S = 5.0  # seconds a killed child gets to be reaped
+_POLL_S = 0.1  # how often a waiting parent reads its child's CPU time
+_WALL_FACTOR = 10.0  # wall-clock seconds per budgeted CPU second before a child is refused anyway
 
 
 def _context() -> Any:
@@ -136,12 +143,14 @@ class TraceJob:
 
     async def _receive(self, seconds: float, doing: str) -> tuple[Any, ...]:
         assert self._conn is not None
-        ready = await asyncio.to_thread(self._conn.poll, seconds)
-        if not ready:
-            raise LimitError(
-                f"{doing} took more than {seconds:g} s, this coordinator's budget "
-                "(--coordinator-trace-seconds)"
-            )
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + seconds * _WALL_FACTOR
+        while not await asyncio.to_thread(self._conn.poll, _POLL_S):
+            if self._cpu_seconds() > seconds or loop.time() > give_up:
+                raise LimitError(
+                    f"{doing} took more than {seconds:g} s of CPU time, this coordinator's budget "
+                    "(--coordinator-trace-seconds)"
+                )
         try:
             reply = self._conn.recv()
         except (EOFError, OSError) as e:
@@ -150,6 +159,14 @@ class TraceJob:
             _, name, message, ours = reply
             raise ConfigError(message if ours else f"{doing} failed: {name}: {message}")
         return tuple(reply)
+
+    def _cpu_seconds(self) -> float:
+        """The child's CPU time so far (user + system, all its threads); 0 once it is gone."""
+        try:
+            times = psutil.Process(self._process.pid).cpu_times()
+        except (psutil.Error, ValueError):
+            return 0.0
+        return float(times.user + times.system)
 
     def close(self) -> None:
         """Ends the child (killed if it still runs) and its pipe."""
