@@ -65,18 +65,18 @@ class ReplicaPlan:
         return len(self.replicas) * self.n_micro_batches / self.step_s if self.step_s > 0 else math.inf
 
 
-def averaging_seconds(grad_bytes: float, peers: Sequence[int], topo: Topology, ratio: float = 1.0) -> float:
+def averaging_seconds(grad_bytes: float, peers: Sequence[int], topo: Topology) -> float:
     """Seconds of an all-reduce of ``grad_bytes`` among ``peers`` as hivemind's averager
     does it: each peer owns ``1/R`` of the vector, sends every other part to its owner and
-    receives the averaged parts back, over the slowest link between two of them;
-    ``ratio``: the gradients' compression."""
+    receives the averaged parts back, over the slowest link between two of them. Dense:
+    the averager sends gradients uncompressed, whatever the pipeline links' Top-K ratio."""
     r = len(peers)
     if r < 2 or grad_bytes <= 0:
         return 0.0
     pairs = [(a, b) for a in peers for b in peers if a != b]
     slowest = min(float(topo.bandwidth[a, b]) for a, b in pairs)
     latency = max(float(topo.latency[a, b]) for a, b in pairs)
-    return 2 * (r - 1) / r * grad_bytes / ratio / slowest + 2 * latency
+    return 2 * (r - 1) / r * grad_bytes / slowest + 2 * latency
 
 
 def shared_owner(topo: Topology, owner: int, ways: int) -> Topology:
@@ -176,12 +176,11 @@ def _plan_r(
     estimates = [estimate(dag, shared, stages, per_replica) for stages in replicas]
     if not all(math.isfinite(e.iteration_s) for e in estimates):
         return None
-    ratio = cost.compression.ratio if cost.compression.kind != "none" else 1.0
     averaging = []
     for k, stage in enumerate(template):
         grad_bytes = float(sum(dag.nodes[i].param_bytes for i in stage.nodes))
         group = [rep[k].peer for rep in replicas]
-        averaging.append(0.0 if stage.peer == owner else averaging_seconds(grad_bytes, group, topo, ratio))
+        averaging.append(0.0 if stage.peer == owner else averaging_seconds(grad_bytes, group, topo))
     return ReplicaPlan(
         tuple(tuple(rep) for rep in replicas), tuple(estimates), tuple(averaging), per_replica.n_micro_batches
     )
