@@ -39,8 +39,10 @@ from fusionp2p.net.sockets import hivemind_sockets, remove_stale
 from fusionp2p.net.transport import P2PTransport, RateLimitedTransport, Transport
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.records import MAX_LINKS_PER_PEER, PROBE_PROTOCOL, JobSetup, PeerRecord
+from fusionp2p.runtime.averaging import StageAverager
 from fusionp2p.runtime.device_profile import DeviceProfile, free_memory, profile_device, resolve_device
 from fusionp2p.runtime.engines import memory_allowance
+from fusionp2p.runtime.executor import Executor
 from fusionp2p.runtime.service import ExecutorService, ServicePolicy
 from fusionp2p.runtime.shard_store import default_shard_dir
 from fusionp2p.version import __version__
@@ -160,6 +162,7 @@ class Peer:
                 gate=gate,
                 plan_check=peer._check_plan,
                 on_jobs_changed=peer._jobs_changed,
+                averagers=peer._averager,
             ).start()
             if peer.stands_for_election:
                 peer.coordinator = await Coordinator(
@@ -230,6 +233,20 @@ class Peer:
                 "so this peer runs only its published plans; its operator takes unplanned jobs with "
                 "--accept-unplanned-from"
             )
+
+    def _averager(self, setup: JobSetup, owner: str, executor: Executor) -> StageAverager:
+        """The averager of a replicated stage this peer runs, on the swarm's DHT (blocking)."""
+        return StageAverager(
+            self.dht,
+            executor.param_tensors(),
+            job=setup.group,
+            plan_version=setup.plan_version,
+            stage=setup.stage,
+            replicas=setup.replicas,
+            deadline_s=setup.averaging_s,
+            owner=owner,
+            members=setup.averaging_peers,
+        )
 
     def _jobs_changed(self) -> None:
         if self._closed or self.executors is None:

@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from fusionp2p.errors import ConfigError
-from fusionp2p.runtime.averaging import AveragingResult, StageAverager, group_key, parameter_digest
+from fusionp2p.runtime.averaging import (
+    AveragingResult,
+    StageAverager,
+    fingerprints_agree,
+    group_key,
+    parameter_fingerprint,
+)
 
 pytestmark = pytest.mark.swarm  # starts DHT and averager processes
 
@@ -57,7 +63,7 @@ def test_two_replicas_get_the_weighted_mean_and_a_lone_one_is_left_out(dhts) -> 
             assert torch.allclose(g[0], torch.full((1000, 3), 2.5)) and torch.allclose(
                 g[1], torch.full((7,), 0.5)
             )
-        assert parameter_digest(grads[0]) == parameter_digest(grads[1])
+        assert fingerprints_agree(parameter_fingerprint(grads[0]), parameter_fingerprint(grads[1]))
         lone = StageAverager(
             dhts[0], shapes, job="job-1", plan_version=2, stage=3, replicas=2, deadline_s=2.0
         )
@@ -78,4 +84,53 @@ def test_group_keys_name_job_plan_and_stage_and_refuse_what_a_dht_key_cannot_hol
     assert group_key("run-7", 3, 2) != group_key("run-7", 4, 2) != group_key("run-7", 3, 1)
     with pytest.raises(ConfigError, match="cannot name an averaging group"):
         group_key("a.b", 1, 0)
-    assert parameter_digest([torch.ones(3)]) != parameter_digest([torch.ones(3) * 2])
+    assert group_key("run-7", 3, 2, "QmOwner") == "fusionp2p_avg_QmOwner_run-7_v3_s2"
+
+
+def test_fingerprints_tell_rounding_from_a_diverged_replica() -> None:
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(300, 20, generator=g), torch.randn(20, generator=g)]
+    mine = parameter_fingerprint(params)
+    rounded = [p * (1 + 1e-7 * torch.randn(p.shape, generator=g)) for p in params]  # ~1 ulp apart
+    assert fingerprints_agree(mine, parameter_fingerprint(rounded))
+    stepped = [p - 1e-3 * torch.sign(torch.randn(p.shape, generator=g)) for p in params]  # one Adam step
+    assert not fingerprints_agree(mine, parameter_fingerprint(stepped))
+    one = [params[0].clone(), params[1].clone()]
+    one[1][3] += 1e-2  # a single parameter off
+    assert not fingerprints_agree(mine, parameter_fingerprint(one))
+
+
+def test_an_average_with_a_peer_outside_the_replicas_is_thrown_away(dhts, caplog) -> None:
+    """hivemind matches averagers by key alone: a peer that is not one of the stage's
+    replicas can join the group. The replica that knows its members keeps its own
+    gradients and logs a protocol error."""
+    shapes = [torch.zeros(5)]
+    honest_id = dhts[0].peer_id.to_base58()
+    honest = StageAverager(
+        dhts[0],
+        shapes,
+        job="j",
+        plan_version=1,
+        stage=1,
+        replicas=2,
+        deadline_s=20.0,
+        members=(honest_id, "QmTheOtherReplicaThatNeverCame1111111111111111"),
+    )
+    stranger = StageAverager(dhts[1], shapes, job="j", plan_version=1, stage=1, replicas=2, deadline_s=20.0)
+    try:
+        mine, theirs = [torch.ones(5)], [torch.full((5,), 1000.0)]
+        results: dict[str, AveragingResult] = {}
+        threads = [
+            threading.Thread(target=lambda: results.update(h=honest.average(mine, 1.0))),
+            threading.Thread(target=lambda: results.update(s=stranger.average(theirs, 1.0))),
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert results["s"].group_size == 2  # the all-reduce itself ran
+        assert results["h"].left_out and torch.all(mine[0] == 1.0)
+        assert "joined the average; it is thrown away" in caplog.text
+    finally:
+        honest.close()
+        stranger.close()

@@ -7,7 +7,9 @@ another peer returns to us. Two validators, applied in this order:
    ``[owner:<key>]`` must carry that key's signature), but a failure is logged.
 2. ``SwarmRecordValidator``: the stripped value must be a well-formed fusionp2p record,
    no larger than ``MAX_RECORD_BYTES``, signed (owner marker present), and the peer it
-   speaks for must be the PeerID of the signing key.
+   speaks for must be the PeerID of the signing key. One exception: hivemind's averager
+   (``runtime.averaging``) declares itself in a group as an unsigned ``True``/``False``
+   under its PeerID, living minutes; a value of one byte, accepted as such and nothing else.
 
 A rejected record is dropped and logged as a protocol error; the node keeps serving.
 """
@@ -45,6 +47,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MAX_RECORD_LIFETIME = 3600.0  # a record may not claim to live longer than this from now
+MAX_DECLARATION_LIFETIME = 600.0  # ... nor an averager's declaration in a group
+_MSGPACK_BOOLS = (b"\xc2", b"\xc3")
 _WIRE_OVERHEAD = 16  # msgpack framing around the record bytes
 _LOG_INTERVAL = 5.0
 
@@ -97,6 +101,25 @@ def _speaker(record: DhtRecord) -> str:
     return record.data_owner
 
 
+def _averager_declaration(record: DHTRecord) -> bool:
+    """Whether ``record`` is hivemind's matchmaking entry: a bool under a bare PeerID (a
+    sha256 or identity multihash), expiring within ``MAX_DECLARATION_LIFETIME``."""
+    if record.value not in _MSGPACK_BOOLS:
+        return False
+    if record.expiration_time > get_dht_time() + MAX_DECLARATION_LIFETIME:
+        return False
+    try:
+        subkey = msgpack.unpackb(record.subkey or b"", raw=True)
+    except (ValueError, msgpack.UnpackException):
+        return False
+    return (
+        isinstance(subkey, bytes)
+        and 2 < len(subkey) <= 66
+        and subkey[0] in (0x00, 0x12)
+        and (subkey[1] == len(subkey) - 2)
+    )
+
+
 class SwarmRecordValidator(RecordValidatorBase):
     """Accepts only signed, well-formed, small fusionp2p records whose signer is their peer."""
 
@@ -113,6 +136,8 @@ class SwarmRecordValidator(RecordValidatorBase):
         if record.expiration_time > get_dht_time() + MAX_RECORD_LIFETIME:
             return self._log.reject("expiration too far", f"{record.expiration_time:.0f}")
         owners = RSASignatureValidator._PUBLIC_KEY_RE.findall(record.subkey or b"")
+        if not owners and _averager_declaration(record):
+            return True
         if len(owners) != 1:
             return self._log.reject("unsigned", "the subkey names no single owner key")
         try:

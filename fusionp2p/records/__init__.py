@@ -25,6 +25,7 @@ from fusionp2p.records.exec import (
     CREDIT,
     EXEC_COMMANDS,
     FETCHABLE,
+    FINGERPRINT,
     STEP_REPLY,
     WEIGHT_SOURCES,
     ExecControl,
@@ -36,7 +37,14 @@ from fusionp2p.records.exec import (
     pack_message,
     split_message,
 )
-from fusionp2p.records.limits import MAX_EPOCH, MAX_MICRO_BATCHES, MAX_NODES, MAX_STAGES, MAX_TOPK_RATIO
+from fusionp2p.records.limits import (
+    MAX_EPOCH,
+    MAX_MICRO_BATCHES,
+    MAX_NODES,
+    MAX_REPLICAS,
+    MAX_STAGES,
+    MAX_TOPK_RATIO,
+)
 from fusionp2p.records.model import ModelSpec
 from fusionp2p.records.node_ranges import expand_ranges, node_ranges
 from fusionp2p.records.protocols import COORD_PROTOCOL, EXEC_PROTOCOL, PROBE_PROTOCOL
@@ -85,6 +93,7 @@ __all__ = [
     "EXEC_COMMANDS",
     "EXEC_PROTOCOL",
     "FETCHABLE",
+    "FINGERPRINT",
     "FLOAT_DTYPES",
     "LINKS_PER_SET",
     "MAX_EPOCH",
@@ -92,6 +101,7 @@ __all__ = [
     "MAX_MICRO_BATCHES",
     "MAX_NODES",
     "MAX_RECORD_BYTES",
+    "MAX_REPLICAS",
     "MAX_SHARD_TENSORS",
     "MAX_STAGES",
     "MAX_TOPK_RATIO",

@@ -17,7 +17,7 @@ from typing import Annotated, ClassVar
 
 from fusionp2p.config import NAME_RE, NO_WARMUP, PEER_ID_RE, OptimizerConfig, RatioWarmup
 from fusionp2p.errors import RecordError
-from fusionp2p.records.limits import MAX_MICRO_BATCHES, MAX_STAGES, MAX_TOPK_RATIO
+from fusionp2p.records.limits import MAX_MICRO_BATCHES, MAX_REPLICAS, MAX_STAGES, MAX_TOPK_RATIO
 from fusionp2p.records.model import ModelSpec
 from fusionp2p.records.node_ranges import check_ranges, expand_ranges
 from fusionp2p.records.shards import NAMESPACE_RE, ShardSource
@@ -29,6 +29,7 @@ __all__ = [
     "CREDIT",
     "EXEC_COMMANDS",
     "FETCHABLE",
+    "FINGERPRINT",
     "MESSAGE_HEADER_LEN",
     "STEP_REPLY",
     "WEIGHT_SOURCES",
@@ -60,7 +61,10 @@ EXEC_COMMANDS = (
     "load_local",
     "leaving",
 )
-FETCHABLE = ("params", "grads", "state")  # state: every tensor and the optimizer's, for a checkpoint
+# state: every tensor and the optimizer's, for a checkpoint; fingerprint: statistics of the
+# parameters (FINGERPRINT), which the replicas of a stage compare
+FETCHABLE = ("params", "grads", "state", "fingerprint")
+FINGERPRINT = struct.Struct("<4d")  # runtime.averaging.parameter_fingerprint
 CONTROL_REPLY_BYTES = 4 << 10  # an ACK or an ERROR reason
 CREDIT = struct.Struct("!Q")  # an OpData ACK's payload: bytes the receiver takes in flight from this sender
 STEP_REPLY = struct.Struct("!dI")  # a step ACK's payload: seconds computed, most micro-batches held at once
@@ -157,7 +161,9 @@ class JobSetup(WireRecord):
     KIND: ClassVar[str] = "job_setup"
     # 5: a msgpack record (it was JSON), stages' positions as node ranges (were runs)
     # 6: ``weights``: a stage makes its own initial tensors (a v5 stage would wait for them)
-    VERSION: ClassVar[int] = 6
+    # 7: ``replicas``: a stage of a replicated job averages its gradients with the same stage
+    #    of the other replicas (a v6 stage would train its replica alone, and they would drift)
+    VERSION: ClassVar[int] = 7
     MAX_BYTES: ClassVar[int] = 16 << 20  # a peer reads at most its ExecLimits.setup_bytes
 
     job: Annotated[str, Limit(64)]  # 1-64 letters, digits, '-' or '_'
@@ -186,6 +192,15 @@ class JobSetup(WireRecord):
     run: Annotated[str, Limit(64)] = ""  # the run this job is a plan of: where its shards are kept
     shard_ns: Annotated[str, Limit(64)] = ""  # the run's shard namespace (records.shards); "": none
     restore: Annotated[tuple[ShardSource, ...], Limit(1 << 12)] = ()
+    # data parallelism (runtime.averaging): this stage is one of ``replicas`` that hold the
+    # same parameters, in replica ``replica`` of the job ``group`` (the replicas' common name);
+    # after each backward they average their gradients, waiting at most ``averaging_s``
+    replicas: Annotated[int, Range(1, MAX_REPLICAS)] = 1
+    replica: Annotated[int, Range(0, MAX_REPLICAS - 1)] = 0
+    group: Annotated[str, Limit(64)] = ""
+    averaging_s: Annotated[float, Range(0.1, 3600.0)] = 30.0
+    # per replica, the peer that runs this stage: the only ones it averages with
+    averaging_peers: Annotated[tuple[str, ...], Limit(MAX_REPLICAS)] = ()
 
     def __post_init__(self) -> None:
         n = len(self.peers)
@@ -218,6 +233,20 @@ class JobSetup(WireRecord):
             raise RecordError(f"setup ratios name stages outside [0, {n}) or this stage")
         if not 1 <= self.in_flight <= self.n_micro_batches:
             raise RecordError(f"setup in_flight {self.in_flight} not in [1, {self.n_micro_batches}]")
+        self._check_replicas()
+
+    def _check_replicas(self) -> None:
+        if self.replica >= self.replicas or (self.replicas > 1 and not NAME_RE.match(self.group)):
+            raise RecordError(
+                f"setup replica {self.replica} of {self.replicas} needs 0 <= replica < replicas, and a "
+                "group name (1-64 letters, digits, '-' or '_') when replicas > 1"
+            )
+        if self.replicas > 1 and (
+            len(self.averaging_peers) != self.replicas
+            or not all(PEER_ID_RE.match(p) for p in self.averaging_peers)
+            or self.averaging_peers[self.replica] != self.peers[self.stage][0]
+        ):
+            raise RecordError("setup averaging peers: one PeerID per replica, this stage's at its replica")
 
     @property
     def n_stages(self) -> int:

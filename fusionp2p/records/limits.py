@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-__all__ = ["MAX_EPOCH", "MAX_MICRO_BATCHES", "MAX_NODES", "MAX_STAGES", "MAX_TOPK_RATIO", "MAX_UNACKED"]
+__all__ = [
+    "MAX_EPOCH",
+    "MAX_MICRO_BATCHES",
+    "MAX_NODES",
+    "MAX_REPLICAS",
+    "MAX_STAGES",
+    "MAX_TOPK_RATIO",
+    "MAX_UNACKED",
+]
 
 MAX_MICRO_BATCHES = 4096  # micro-batches of one iteration
 MAX_STAGES = 1024  # stages of one plan or job (a peer may allow fewer: ExecLimits.max_stages)
+MAX_REPLICAS = 256  # data-parallel replicas of one job
 MAX_NODES = 1 << 20  # OP-DAG positions an assignment may name
 MAX_TOPK_RATIO = 1000.0  # no link is compressed harder than this
 MAX_EPOCH = 1 << 53  # a coordinator epoch (readers keep real ones far below: coordination.election)

@@ -7,20 +7,24 @@ version and the stage, then a butterfly all-reduce in which each peer owns ``1/R
 vector. Each peer weighs its gradients by the micro-batches it computed, so the result is
 the gradient of the whole global batch, renormalized over the replicas that took part. A
 replica that misses the deadline is left out of that step's average: the others average
-among themselves, and it keeps its own gradients (and says so). A digest of the
+among themselves, and it keeps its own gradients (and says so). A fingerprint of the
 parameters lets the replicas check, every few steps, that they still hold the same ones.
 
-Not wired into the runtime yet: the stage step does not call it (issue 35).
+A serving peer makes one per replicated stage it runs (``Peer``'s ``averagers`` factory,
+given to ``ExecutorService``), and the stage's step (``ComputeQueue.step``) averages before
+the optimizer runs. The group key names the job's owner, so only stages one data owner set
+up average together; hivemind's all-reduce itself trusts every member of a group (a DHT
+peer that joins the group under that key can skew the average: see docs/security.md).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import hivemind
 import torch
@@ -29,22 +33,33 @@ from hivemind.averaging.partition import AllreduceException
 
 from fusionp2p.errors import ConfigError
 
-__all__ = ["AveragingResult", "StageAverager", "group_key", "parameter_digest"]
+__all__ = [
+    "FINGERPRINT_RTOL",
+    "AveragingResult",
+    "Fingerprint",
+    "GradientAverager",
+    "StageAverager",
+    "fingerprints_agree",
+    "group_key",
+    "parameter_fingerprint",
+]
 
 logger = logging.getLogger(__name__)
 
 _KEY_RE = re.compile(r"^[\w-]{1,64}$")
+_READY_S = 60.0  # how long the averager's process may take to join the DHT
 
 
-def group_key(job: str, plan_version: int, stage: int) -> str:
-    """The averaging group of one stage of one plan of a job (hivemind's prefix: no dots).
+def group_key(job: str, plan_version: int, stage: int, owner: str = "") -> str:
+    """The averaging group of one stage of one plan of ``owner``'s job (hivemind's prefix:
+    no dots).
 
     Raises:
-        ConfigError: a job name that cannot be part of a DHT key.
+        ConfigError: a job name or owner that cannot be part of a DHT key.
     """
-    if not _KEY_RE.match(job):
+    if not _KEY_RE.match(job) or (owner and not _KEY_RE.match(owner)):
         raise ConfigError(f"job name {job!r:.80} cannot name an averaging group (letters, digits, _ and -)")
-    return f"fusionp2p_avg_{job}_v{plan_version}_s{stage}"
+    return f"fusionp2p_avg_{owner + '_' if owner else ''}{job}_v{plan_version}_s{stage}"
 
 
 @dataclass(frozen=True)
@@ -59,12 +74,41 @@ class AveragingResult:
         return self.group_size < 2
 
 
-def parameter_digest(tensors: Sequence[torch.Tensor]) -> str:
-    """The sha256 of the tensors' bytes, in order: equal on replicas that hold the same ones."""
-    digest = hashlib.sha256()
-    for tensor in tensors:
-        digest.update(tensor.detach().contiguous().cpu().numpy().tobytes())
-    return digest.hexdigest()
+Fingerprint = tuple[float, float, float, float]
+FINGERPRINT_RTOL = 1e-5  # replicas' parameters agree within this, relative to their norm
+
+
+def parameter_fingerprint(tensors: Sequence[torch.Tensor]) -> Fingerprint:
+    """Four float64 statistics of the tensors: the sum of squares and three fixed
+    pseudo-random projections. Replicas that average their gradients hold the same
+    parameters up to rounding (hivemind's all-reduce adds ``average - own`` to each
+    replica's own values, which is not bit-exact), so they compare these within
+    ``FINGERPRINT_RTOL`` (``fingerprints_agree``) rather than a hash of the bytes."""
+    out = [0.0, 0.0, 0.0, 0.0]
+    for k, tensor in enumerate(tensors):
+        x = tensor.detach().reshape(-1).to("cpu", torch.float64)
+        g = torch.Generator().manual_seed(k)
+        out[0] += float(x.dot(x))
+        for j in (1, 2, 3):
+            out[j] += float(x.dot(torch.randn(x.numel(), generator=g, dtype=torch.float64)))
+    return out[0], out[1], out[2], out[3]
+
+
+def fingerprints_agree(a: Fingerprint, b: Fingerprint, rtol: float = FINGERPRINT_RTOL) -> bool:
+    """Whether two replicas' fingerprints describe the same parameters up to rounding: each
+    statistic within ``rtol`` of what it can move by (the norm, twice its square for the
+    sum of squares)."""
+    norm = max(a[0], b[0], 1e-30) ** 0.5
+    bounds = (2 * norm * norm, norm, norm, norm)
+    return all(abs(x - y) <= rtol * bound for x, y, bound in zip(a, b, bounds, strict=True))
+
+
+class GradientAverager(Protocol):
+    """What a replicated stage's step calls: ``StageAverager``, or a fake in unit tests."""
+
+    def average(self, grads: Sequence[torch.Tensor], weight: float) -> AveragingResult: ...
+
+    def close(self) -> None: ...
 
 
 class StageAverager:
@@ -73,6 +117,9 @@ class StageAverager:
     ``like``: tensors of the gradients' shapes and dtypes (copied into shared memory, where
     hivemind's averager process reads and writes them). ``replicas``: the group size to
     wait for; ``deadline_s``: how long a step may take before this replica goes on alone.
+    ``members``: the PeerIDs that may be in the group (the other replicas' owners of this
+    stage); an average with anyone else in it is thrown away (hivemind matches by key only,
+    and its libp2p streams say who each member is). Empty: anyone with the key.
     """
 
     def __init__(
@@ -85,22 +132,30 @@ class StageAverager:
         stage: int,
         replicas: int,
         deadline_s: float,
+        owner: str = "",
+        members: Collection[str] = (),
     ) -> None:
         if replicas < 2:
             raise ConfigError(f"averaging needs at least 2 replicas, got {replicas}")
         self.deadline_s = deadline_s
-        self.key = group_key(job, plan_version, stage)
+        self.members = frozenset(members)
+        self.key = group_key(job, plan_version, stage, owner)
         matchmaking = max(0.5, min(5.0, deadline_s / 4))
         self._averager = DecentralizedAverager(
             [torch.zeros_like(t, device="cpu") for t in like],
             dht,
-            start=True,
+            start=False,
             prefix=self.key,
             target_group_size=replicas,
             min_group_size=2,
+            allow_state_sharing=False,  # no state downloads: a replica's state comes from its checkpoint
             min_matchmaking_time=matchmaking,
             request_timeout=matchmaking / 2,
         )
+        # not run_in_background(): it sets SIGINT to SIG_IGN in this process for good (and
+        # works only on the main thread), so a peer with a replicated stage would ignore Ctrl-C
+        self._averager.start()
+        self._averager.wait_until_ready(_READY_S)
 
     def average(self, grads: Sequence[torch.Tensor], weight: float) -> AveragingResult:
         """Replaces ``grads`` in place by their weighted average over the replicas that
@@ -118,6 +173,16 @@ class StageAverager:
             )
             return AveragingResult(1, time.perf_counter() - began)
         size = len(gathered) if gathered else 1
+        strangers = sorted(p.to_base58() for p in gathered or ()) if self.members else []
+        strangers = [p for p in strangers if p not in self.members]
+        if strangers:
+            logger.warning(
+                "protocol error: %s: peers %s that run no replica of this stage joined the average; "
+                "it is thrown away, going on with own gradients",
+                self.key,
+                [p[-8:] for p in strangers],
+            )
+            return AveragingResult(1, time.perf_counter() - began)
         if size > 1:
             with self._averager.get_tensors() as shared:
                 for dst, src in zip(grads, shared, strict=True):

@@ -24,13 +24,16 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from fusionp2p.errors import LimitError, ProtocolError
 from fusionp2p.net.transport import Transport
 from fusionp2p.runtime.executor import Executor, Message
 from fusionp2p.runtime.jobs import Job, Work
 from fusionp2p.runtime.throttle import Throttle
+
+if TYPE_CHECKING:
+    from fusionp2p.runtime.averaging import AveragingResult
 
 __all__ = ["ComputeQueue"]
 
@@ -243,12 +246,17 @@ class ComputeQueue:
         await self.wait_ready(job)
         executor, iteration = job.executor, job.iteration
 
-        def step() -> tuple[int, float]:
+        averager = job.averager
+
+        def step() -> tuple[int, float, AveragingResult | None]:
+            averaged = None
+            if averager is not None:  # the replicas' mean gradient, before the optimizer applies it
+                averaged = averager.average(executor.grad_tensors(), weight=job.setup.n_micro_batches)
             began = time.perf_counter()
             self.throttle.run(lambda: executor.step(iteration))
-            return executor.micro_batches_done(iteration + 1), time.perf_counter() - began
+            return executor.micro_batches_done(iteration + 1), time.perf_counter() - began, averaged
 
-        job.micro_batches_done, seconds = await self.in_pool(step)
+        job.micro_batches_done, seconds, job.last_averaging = await self.in_pool(step)
         job.iteration = iteration + 1
         job.seen.clear()
         job.forwards.clear()

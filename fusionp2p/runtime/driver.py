@@ -37,6 +37,7 @@ from fusionp2p.planning import RuntimeLayout
 from fusionp2p.records import (
     CONTROL_REPLY_BYTES,
     FETCHABLE,
+    FINGERPRINT,
     STEP_REPLY,
     ExecControl,
     JobSetup,
@@ -44,6 +45,7 @@ from fusionp2p.records import (
     ShardOrder,
     ShardReport,
 )
+from fusionp2p.runtime.averaging import Fingerprint, parameter_fingerprint
 from fusionp2p.runtime.codec import ExecClient, unpack_message
 from fusionp2p.runtime.engines import check_stage_memory, memory_allowance
 from fusionp2p.runtime.job_setup import JobOptions, stage_setups
@@ -57,7 +59,7 @@ from fusionp2p.runtime.stage_start import StageStart
 from fusionp2p.runtime.stage_tensors import belongs_to_stage, chunks
 from fusionp2p.runtime.torch_executor import TorchExecutor
 
-__all__ = ["PipelineDriver"]
+__all__ = ["PipelineDriver", "owner_service"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +99,19 @@ def _trace_and_split(
     return traced, assignment, part
 
 
+async def owner_service(transport: Transport, options: JobOptions, jobs: int = 1) -> ExecutorService:
+    """The exec service a data owner runs its own stage(s) of ``jobs`` jobs on: it takes no
+    setups, only its stages' OpData."""
+    policy = ServicePolicy(
+        accept_setups=False,
+        max_jobs=jobs,
+        limits=options.limits,
+        timeout=options.timeout,
+        shard_dir=options.shard_dir,
+    )
+    return await ExecutorService(transport, policy).start()
+
+
 class PipelineDriver:
     """Runs a job from the data owner. Create with ``await PipelineDriver.create(...)``."""
 
@@ -112,6 +127,7 @@ class PipelineDriver:
         start: StageStart | None = None,
     ) -> None:
         self.service = service
+        self.owns_service = True  # False for a replica: the replicated driver closes the service
         self.executor = executor
         self.traced = traced
         self.partition = part
@@ -146,6 +162,7 @@ class PipelineDriver:
         pretrained: PretrainedWeights | None = None,
         restore: Restore | None = None,
         exclude: Collection[str] = (),
+        service: ExecutorService | None = None,
     ) -> PipelineDriver:
         """Traces and splits the model, and sets up every stage.
 
@@ -160,7 +177,9 @@ class PipelineDriver:
         before any stage hears of the job) replace each stage's saved tensors, read here one
         at a time and sent to their stage only. ``restore`` (a checkpoint kept by the stages,
         needing ``options.shard_secret``) has every stage, this one included, read its
-        tensors from the shards' holders but ``exclude``, peer to peer.
+        tensors from the shards' holders but ``exclude``, peer to peer. ``service``: the
+        exec service this process's stage joins (one per process: replicas share it; the
+        caller closes it); by default the driver starts its own.
 
         Raises:
             ConfigError: a bad layout, options or model config, or a checkpoint that does
@@ -231,14 +250,9 @@ class PipelineDriver:
             initial=await start.own_initial(spec, registry, data_stage),
         )
         await start.load_own(executor, data_stage, transport, options)
-        policy = ServicePolicy(
-            accept_setups=False,
-            max_jobs=1,
-            limits=options.limits,
-            timeout=options.timeout,
-            shard_dir=options.shard_dir,
-        )
-        service = await ExecutorService(transport, policy).start()
+        owns_service = service is None
+        if service is None:
+            service = await owner_service(transport, options)
         service.install(executor, setups[data_stage], owner=transport.peer_id)
         start.grant_local(service.shards.store, layout.peers, options)
         clients = {
@@ -247,6 +261,7 @@ class PipelineDriver:
             if s != data_stage
         }
         driver = cls(service, executor, traced, part, setups, clients, options.limits, start)
+        driver.owns_service = owns_service
         try:
             for s, peer_id in enumerate(layout.peers):
                 if s != data_stage and addresses.get(peer_id):
@@ -387,8 +402,8 @@ class PipelineDriver:
     async def fetch(self, what: str) -> dict[str, torch.Tensor]:
         """Every stage's parameters (``"params"``), this iteration's gradients (``"grads"``),
         or everything a checkpoint holds (``"state"``: every tensor and the optimizer's)."""
-        if what not in FETCHABLE:
-            raise ValueError(f"fetch one of {FETCHABLE}, not {what!r}")
+        if what not in FETCHABLE or what == "fingerprint":
+            raise ValueError(f"fetch one of {FETCHABLE[:-1]}, not {what!r} (fingerprints())")
         header = ExecControl(
             command="fetch",
             job=self.job,
@@ -430,6 +445,29 @@ class PipelineDriver:
             merged.update(tensors)
         return merged
 
+    async def fingerprints(self) -> dict[int, Fingerprint]:
+        """Per stage, statistics of its parameters (``runtime.averaging.parameter_fingerprint``).
+
+        Raises:
+            ProtocolError / PeerUnreachableError: a stage refused, failed or is gone.
+        """
+        header = ExecControl(command="fetch", job=self.job, what="fingerprint", iteration=self.iteration)
+        own = parameter_fingerprint(await self.service.in_pool(self.executor.param_tensors))
+
+        async def remote(stage: int, client: ExecClient) -> Fingerprint:
+            kind, payload = await client.request(header, max_reply=FINGERPRINT.size + CONTROL_REPLY_BYTES)
+            _, body = unpack_message(payload)
+            if kind is not FrameKind.DATA or len(body) != FINGERPRINT.size:
+                raise ProtocolError(f"stage {stage} of job {self.job}: not a parameter fingerprint")
+            values = FINGERPRINT.unpack(bytes(body))
+            if not all(math.isfinite(v) for v in values):
+                raise ProtocolError(f"stage {stage} of job {self.job}: parameters that are not finite")
+            return values[0], values[1], values[2], values[3]
+
+        stages = list(self._clients)
+        got = await asyncio.gather(*(remote(s, self._clients[s]) for s in stages))
+        return {self.partition.data_stage: own, **dict(zip(stages, got, strict=True))}
+
     async def unresponsive(self, timeout: float = DEFAULT_TIMEOUTS.ping) -> list[str]:
         """The stage owners that said they leave the swarm, and those that do not answer a
         ping within ``timeout`` s (dead or stopped); each is asked on a fresh stream, so a
@@ -467,4 +505,5 @@ class PipelineDriver:
                 await asyncio.wait_for(client.aclose(), teardown_timeout)
 
         await asyncio.gather(*(end(c) for c in self._clients.values()))
-        await self.service.aclose()
+        if self.owns_service:
+            await self.service.aclose()

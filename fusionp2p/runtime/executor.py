@@ -11,8 +11,13 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from fusionp2p.errors import ConfigError
 from fusionp2p.records import OpData
+
+if TYPE_CHECKING:  # replicas average torch tensors (hivemind's averager); other engines refuse
+    import torch
 
 __all__ = ["Body", "Executor", "Message"]
 
@@ -87,6 +92,23 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def grads(self) -> bytes:
         """The gradients accumulated in this iteration, as safetensors bytes."""
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """This iteration's gradients as tensors in a fixed order, writable in place (what
+        replicas average before the optimizer step).
+
+        Raises:
+            ConfigError: this engine cannot be replicated.
+        """
+        raise ConfigError(f"the {type(self).__name__} engine cannot average gradients across replicas")
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        """This stage's parameters in the order of ``grad_tensors`` (replicas compare them).
+
+        Raises:
+            ConfigError: this engine cannot be replicated.
+        """
+        raise ConfigError(f"the {type(self).__name__} engine cannot compare parameters across replicas")
 
     @abc.abstractmethod
     def load_state(self, data: bytes | bytearray) -> int:

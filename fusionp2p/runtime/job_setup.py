@@ -42,6 +42,12 @@ class JobOptions:
     shard_secret: bytes = b""  # the run's shard secret (records.shards); b"": no shard checkpoints
     shard_dir: str | None = None  # where this data owner keeps its own stage's shards
     limits: ExecLimits = field(default_factory=ExecLimits)  # what this process accepts from stages
+    # replica ``replica`` of ``replicas`` of the job ``group`` (runtime.replicated sets these)
+    replicas: int = 1
+    replica: int = 0
+    group: str = ""
+    averaging_s: float = 30.0  # how long a stage waits for the other replicas to average
+    replica_peers: tuple[tuple[str, ...], ...] = ()  # every replica's layout peers, by replica
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -112,6 +118,11 @@ def stage_setups(
             run=options.run,
             shard_ns=namespace_of(options.shard_secret) if options.shard_secret else "",
             restore=(restore or {}).get(stage, ()),
+            replicas=options.replicas,
+            replica=options.replica,
+            group=options.group,
+            averaging_s=options.averaging_s,
+            averaging_peers=tuple(peers[stage] for peers in options.replica_peers),
         )
         for stage in range(part.n_stages)
     ]

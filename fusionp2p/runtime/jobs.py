@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fusionp2p.config import ExecLimits
 from fusionp2p.net.limits import Reservation
@@ -20,6 +21,9 @@ from fusionp2p.net.transport import Transport
 from fusionp2p.records import JobSetup, OpData
 from fusionp2p.runtime.executor import Body, Executor, Message
 from fusionp2p.runtime.opdata_stream import OpDataSender
+
+if TYPE_CHECKING:
+    from fusionp2p.runtime.averaging import AveragingResult, GradientAverager
 
 __all__ = ["Job", "Notify", "Work"]
 
@@ -78,6 +82,8 @@ class Job:
     last_active: float = field(default_factory=time.monotonic)
     leaving: set[str] = field(default_factory=set)  # stage owners that said they leave the swarm
     closed: bool = False
+    averager: GradientAverager | None = None  # a replicated job's: averages grads before each step
+    last_averaging: AveragingResult | None = None  # ... what it did in the last step
     max_body: int = 0  # the largest body any message of this job may carry
     weights_limit: int = 0
     shard_limit: int = 0  # one part of a shard replica from another stage
@@ -137,7 +143,10 @@ class Job:
         return sum(s.queued_bytes + s.in_flight_bytes for s in self._senders.values())
 
     async def aclose(self) -> None:
-        """Stops the senders and closes their streams."""
+        """Stops the senders and closes their streams, and the averager's process."""
         self.closed = True
         senders, self._senders = list(self._senders.values()), {}
         await asyncio.gather(*(s.aclose() for s in senders))
+        averager, self.averager = self.averager, None
+        if averager is not None:
+            await asyncio.to_thread(averager.close)

@@ -35,6 +35,7 @@ from fusionp2p.records import (
     CREDIT,
     EXEC_PROTOCOL,
     FETCHABLE,
+    FINGERPRINT,
     MAX_RECORD_BYTES,
     STEP_REPLY,
     ExecControl,
@@ -53,6 +54,7 @@ from fusionp2p.runtime.admission import (
     check_setup,
     find_job,
 )
+from fusionp2p.runtime.averaging import GradientAverager, parameter_fingerprint
 from fusionp2p.runtime.codec import ExecClient, read_message_header, unpack_message
 from fusionp2p.runtime.compute import ComputeQueue
 from fusionp2p.runtime.engines import ENGINES, BuildStage
@@ -69,6 +71,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 PlanCheck = Callable[[JobSetup, str], Awaitable[None]]  # (setup, sender) -> None, or ProtocolError
+# (setup, its owner, the built executor) -> the stage's averager (blocking: it starts a process)
+Averagers = Callable[[JobSetup, str, Executor], GradientAverager]
 _REAP_PERIOD = 5.0
 _LEAVING_NOTICE_S = 3.0  # how long a leaving peer waits for a job owner to hear it
 
@@ -86,6 +90,7 @@ class ExecutorService:
         gate: StreamGate | None = None,
         plan_check: PlanCheck | None = None,
         on_jobs_changed: Callable[[], None] | None = None,
+        averagers: Averagers | None = None,
     ) -> None:
         self.transport = transport
         self.policy = policy or ServicePolicy()
@@ -105,6 +110,7 @@ class ExecutorService:
         self._log = RejectionLog(logger, "protocol error: rejected exec message")
         self._plan_check = plan_check
         self._on_jobs_changed = on_jobs_changed
+        self._averagers = averagers
         store = ShardStore(self.policy.shard_dir) if self.policy.shard_dir else None
         self.shards = ShardKeeper(transport, store, limits, self.policy.timeout, self.in_pool)
 
@@ -384,7 +390,12 @@ class ExecutorService:
                 raise ProtocolError(f"cannot fetch {header.what!r:.40}")
             if header.what == "grads":
                 await self.wait_ready(job.name)
-            read = {"params": executor.state_dict, "grads": executor.grads, "state": executor.full_state}
+            read = {
+                "params": executor.state_dict,
+                "grads": executor.grads,
+                "state": executor.full_state,
+                "fingerprint": lambda: FINGERPRINT.pack(*parameter_fingerprint(executor.param_tensors())),
+            }
             data = await self.in_pool(read[header.what])
             reply = ExecControl(command="fetch", job=job.name, what=header.what, body_bytes=len(data))
             return FrameKind.DATA, pack_message(reply, data)
@@ -396,6 +407,8 @@ class ExecutorService:
         check_setup(setup, name, me=self.transport.peer_id, sender=remote, limits=self.policy.limits)
         if setup.epoch and self._plan_check is None:
             raise ProtocolError("this peer follows no coordinator: it cannot check a planned setup")
+        if setup.replicas > 1 and self._averagers is None:
+            raise ProtocolError("this peer has no DHT to average a replicated stage's gradients on")
         build = self._engines.get(setup.engine)
         if build is None:
             raise ProtocolError(
@@ -417,8 +430,17 @@ class ExecutorService:
             )
             if setup.weights == "shards":
                 await self.shards.restore(executor, setup)
-            await self._connect(setup)
-            self.install(executor, setup, owner=remote)
+            averager = None
+            if setup.replicas > 1:
+                assert self._averagers is not None
+                averager = await asyncio.to_thread(self._averagers, setup, remote, executor)
+            try:
+                await self._connect(setup)
+            except BaseException:
+                if averager is not None:
+                    await asyncio.to_thread(averager.close)
+                raise
+            self.install(executor, setup, owner=remote).averager = averager
         except LimitError as e:
             logger.warning("refused job %s from %s: %s", name, remote, e)
             raise

@@ -191,6 +191,18 @@ class StageState:
             }
         )
 
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The parameters' gradient tensors in name order, made (zeros) where none yet, so
+        that writing into them changes what the optimizer applies."""
+        for p in self.params.values():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [self.params[k].grad for k in sorted(self.params)]  # type: ignore[misc]
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        """The parameters in name order."""
+        return [self.params[k].detach() for k in sorted(self.params)]
+
     def step(self) -> None:
         """Applies the optimizer and clears the gradients."""
         if self._optimizer is not None:

@@ -412,6 +412,12 @@ class TorchExecutor(Executor):
     def grads(self) -> bytes:
         return self.state.grads()
 
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return self.state.grad_tensors()
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        return self.state.param_tensors()
+
     def load_state(self, data: bytes | bytearray) -> int:
         return self.state.load(data)
 

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from fusionp2p.errors import ConfigError
 from fusionp2p.net.connection import SwarmConnection
 from fusionp2p.net.directory import SwarmDirectory
 from fusionp2p.opdag.families import ModelRegistry
@@ -136,6 +137,7 @@ class DataOwner:
         options: JobOptions | None = None,
         registry: ModelRegistry | None = None,
         initial_state: Mapping[str, torch.Tensor] | None = None,
+        replicas: int = 1,
     ) -> Pipeline:
         """Sets ``spec``'s model up over live peers; this process runs stage 0 (it reads the
         raw inputs and computes the loss, which never leave it).
@@ -149,7 +151,9 @@ class DataOwner:
         FLOPs unless ``assignment`` says otherwise. Each peer builds only its stage, and
         only if it serves ``spec.family``; ``registry`` is what this process builds the
         model from. ``initial_state`` (a checkpoint's tensors by name) replaces the model's
-        initial weights and optimizer state on every stage.
+        initial weights and optimizer state on every stage. ``replicas`` (with ``n_stages``):
+        that many such pipelines, each on its own peers, averaging their gradients every step
+        (data parallelism; it must divide the micro-batch count).
 
         Raises:
             SwarmError: fewer live peers than ``n_stages - 1``, or a planned peer is gone.
@@ -159,6 +163,8 @@ class DataOwner:
             ProtocolError: a peer refused its stage (an unknown family, too little
                 memory, busy); the peer's reason is in the message.
         """
+        if replicas > 1 and (n_stages is None or initial_state is not None):
+            raise ConfigError("replicas need n_stages (a planned job has one pipeline) and no initial_state")
         if n_stages is not None or assignment is not None:
             fixed = options or JobOptions()
             return self.call(
@@ -170,6 +176,7 @@ class DataOwner:
                     assignment=assignment,
                     ratios=ratios,
                     registry=registry,
+                    replicas=replicas,
                 )
             )
         if not isinstance(plan, Plan):

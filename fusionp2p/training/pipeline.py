@@ -22,9 +22,11 @@ from fusionp2p.opdag.split import Partition
 from fusionp2p.planning import NO_COMPRESSION, CostConfig, Plan, RuntimeLayout, Topology, estimate_segments
 from fusionp2p.planning.estimate import Estimate
 from fusionp2p.records import ModelSpec, PeerRecord, ShardReport
+from fusionp2p.runtime.averaging import Fingerprint
 from fusionp2p.runtime.driver import PipelineDriver
 from fusionp2p.runtime.job_setup import JobOptions
 from fusionp2p.runtime.pretrained import PretrainedWeights
+from fusionp2p.runtime.replicated import ReplicatedDriver
 from fusionp2p.runtime.restore import Restore
 
 __all__ = ["Pipeline", "start_fixed", "start_planned"]
@@ -46,14 +48,14 @@ class Pipeline:
     def __init__(
         self,
         connection: SwarmConnection,
-        driver: PipelineDriver,
+        driver: PipelineDriver | ReplicatedDriver,
         peers: list[PeerRecord],
         *,
         plan: Plan | None = None,
     ) -> None:
         self._connection = connection
         self.driver = driver
-        self.peers = peers  # the owners of stages 1.. (stage 0 is this process)
+        self.peers = peers  # the owners of stages 1.. (stage 0 is this process), replica by replica
         self.plan = plan  # what it runs, when it was planned
 
     def estimate(self, topology: Topology, *, cost: CostConfig | None = None) -> Estimate:
@@ -83,6 +85,18 @@ class Pipeline:
             ProtocolError / PeerUnreachableError: a stage failed or is gone.
         """
         return self._connection.call(_within(self.driver.train_step(batches), timeout, "the step"))
+
+    def check_replicas(self, *, timeout: float | None = None) -> dict[int, Fingerprint]:
+        """Per stage, a fingerprint of its parameters; with replicas, checked on each to
+        agree (``runtime.averaging.fingerprints_agree``).
+
+        Raises:
+            ProtocolError: two replicas hold different parameters (``ReplicatedDriver``).
+            DeadlineError: not within ``timeout`` s.
+        """
+        driver = self.driver
+        check = driver.check_replicas() if isinstance(driver, ReplicatedDriver) else driver.fingerprints()
+        return self._connection.call(_within(check, timeout, "comparing the replicas"))
 
     def unresponsive(self, timeout: float = DEFAULT_TIMEOUTS.ping) -> list[str]:
         """The stage owners that do not answer a ping within ``timeout`` s."""
@@ -194,23 +208,42 @@ async def start_fixed(
     assignment: Sequence[int] | Mapping[str, int] | None = None,
     ratios: Mapping[tuple[int, int], float] | None = None,
     registry: ModelRegistry | None = None,
+    replicas: int = 1,
 ) -> Pipeline:
     """Splits ``spec``'s model over this process (stage 0) and the ``n_stages - 1`` fastest
     live peers: by ``assignment`` (a stage per operator node, or per node name), else in
     contiguous pieces of equal forward FLOPs; ``ratios[(a, b)]`` compresses what stage
-    ``a`` sends stage ``b``.
+    ``a`` sends stage ``b``. With ``replicas`` R > 1, R such pipelines on R x (n_stages - 1)
+    peers (replica k the k-th run of them by speed), their gradients averaged
+    (``runtime.replicated``); R must divide ``options.n_micro_batches``.
 
     Raises:
-        SwarmError: fewer live peers than ``n_stages - 1``.
+        SwarmError: fewer live peers than ``replicas x (n_stages - 1)``.
         ConfigError / ProtocolError / PeerUnreachableError: see ``PipelineDriver.create``.
     """
     live = await _live_peers(connection)
-    peers = sorted(live.values(), key=lambda p: -p.fp32_flops)[: n_stages - 1]
-    if len(peers) < n_stages - 1:
-        raise SwarmError(f"{n_stages} stages need {n_stages - 1} live peers, the swarm has {len(peers)}")
+    need = replicas * (n_stages - 1)
+    peers = sorted(live.values(), key=lambda p: -p.fp32_flops)[:need]
+    if len(peers) < need:
+        what = f"{replicas} replicas of {n_stages} stages" if replicas > 1 else f"{n_stages} stages"
+        raise SwarmError(f"{what} need {need} live peers, the swarm has {len(peers)}")
     transport = await connection.transport()
-    layout = RuntimeLayout((transport.peer_id, *(p.peer_id for p in peers)), assignment, ratios or {})
-    driver = await PipelineDriver.create(
-        transport, spec, layout, options, addresses={p.peer_id: p.maddrs for p in peers}, registry=registry
-    )
+    addresses = {p.peer_id: p.maddrs for p in peers}
+    layouts = [
+        RuntimeLayout(
+            (transport.peer_id, *(p.peer_id for p in peers[k * (n_stages - 1) : (k + 1) * (n_stages - 1)])),
+            assignment,
+            ratios or {},
+        )
+        for k in range(replicas)
+    ]
+    driver: PipelineDriver | ReplicatedDriver
+    if replicas == 1:
+        driver = await PipelineDriver.create(
+            transport, spec, layouts[0], options, addresses=addresses, registry=registry
+        )
+    else:
+        driver = await ReplicatedDriver.create(
+            transport, spec, layouts, options, addresses=addresses, registry=registry
+        )
     return Pipeline(connection, driver, peers)

@@ -1,0 +1,86 @@
+"""Data-parallel replicas on real peer processes: two pipelines of one job, their stages'
+gradients averaged by hivemind's averager, train as one process trains on the whole
+global batch (issue 35)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from exec_helpers import user_model_swarm
+
+from fusionp2p.config import OptimizerConfig
+from fusionp2p.errors import SwarmError
+from fusionp2p.opdag.families import ModelRegistry
+from fusionp2p.opdag.spec import build_model
+from fusionp2p.records import ModelSpec
+from fusionp2p.runtime.job_setup import JobOptions
+from fusionp2p.runtime.losses import LOSSES
+from fusionp2p.swarm import Swarm
+
+N_MB = 4  # the global batch: 2 micro-batches per replica
+STEPS = 10
+OPT = OptimizerConfig(lr=1e-2, eps=1e-6)
+GPT2 = ModelSpec(
+    "gpt2", {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 97, "n_positions": 32}, input_shape=(2, 8)
+)
+LOCAL = ModelRegistry(allow=["user_models:SkipNet"])
+
+pytestmark = pytest.mark.swarm
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
+    with (
+        user_model_swarm(4, swarm="replicas", workdir=str(tmp_path_factory.mktemp("replicas"))) as local,
+        Swarm(local.initial_peers, swarm=local.swarm) as client,
+    ):
+        deadline = time.monotonic() + 60
+        while len(client.peers()) < len(local.peers) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert len(client.peers()) == len(local.peers), "the peers did not show up"
+        yield client
+
+
+def _batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(500 + step)
+    return [(x, x) for x in (torch.randint(0, 97, GPT2.input_shape, generator=g) for _ in range(N_MB))]
+
+
+def test_two_replicas_train_as_one_process_on_the_global_batch(swarm: Swarm) -> None:
+    """R = 2 replicas of 3 stages (this process and 2 peers each) on 4 peers: each step's
+    4 micro-batches split 2 and 2; the losses and parameters after 10 steps are those of
+    one process that trains on all 4 micro-batches per step, and the replicas' parameters
+    are equal stage by stage."""
+    model = build_model(GPT2, LOCAL)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps, weight_decay=OPT.weight_decay
+    )
+    options = JobOptions(n_micro_batches=N_MB, optimizer=OPT, timeout=120)
+    with swarm.data_owner().pipeline(GPT2, n_stages=3, replicas=2, options=options, registry=LOCAL) as pipe:
+        assert len({p.peer_id for p in pipe.peers}) == 4  # each replica on its own two peers
+        for step in range(STEPS):
+            opt.zero_grad()
+            want = []
+            for x, y in _batches(step):
+                value = LOSSES["lm"]([model(x)], y)
+                want.append(value.item())
+                (value / N_MB).backward()
+            opt.step()
+            got = pipe.run_iteration(_batches(step))
+            pipe.step()
+            assert got == pytest.approx(want, rel=1e-4, abs=1e-5), step
+        digests = pipe.check_replicas(timeout=120)
+        assert len(digests) == 3
+        reference = dict(model.named_parameters(remove_duplicate=False))
+        for name, value in pipe.fetch("params").items():
+            torch.testing.assert_close(value, reference[name].detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_replicas_need_their_own_peers(swarm: Swarm) -> None:
+    with pytest.raises(SwarmError, match="3 replicas of 3 stages need 6 live peers, the swarm has 4"):
+        swarm.data_owner().pipeline(
+            GPT2, n_stages=3, replicas=3, options=JobOptions(n_micro_batches=3), registry=LOCAL
+        )
