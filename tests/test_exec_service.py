@@ -397,7 +397,7 @@ _GOOD = JobSetup(
 ).to_body()
 _WRONG = [None, True, -1, 2**64 - 1, 1.5, "x" * 300, [], [[]], {}, {"a": [1]}, "../../etc"]
 # a wrong value that decodes as the field's default: a config map missing every key
-_HARMLESS = {("ratios", "[]"), ("restore", "[]")} | {
+_HARMLESS = {("ratios", "[]"), ("restore", "[]"), ("averaging_peers", "[]"), ("averaging_s", "1.5")} | {
     (k, v) for k in ("optimizer", "ratio_warmup") for v in ("{}", "{'a': [1]}")
 }
 
@@ -423,6 +423,23 @@ def test_a_setup_round_trips_and_refuses_a_newer_major_version() -> None:
     assert (setup.in_flight, setup.ratio_warmup) == (2, RatioWarmup(20, 5))
     with pytest.raises(RecordError, match=f"major version {JobSetup.VERSION + 1} is newer"):
         _setup({**_GOOD, "v": JobSetup.VERSION + 1})
+
+
+def test_a_replicated_setup_names_its_group_and_the_peers_it_averages_with() -> None:
+    other = "Qm" + "r" * 44
+    good = {**_GOOD, "replicas": 2, "replica": 1, "group": "run-1", "averaging_peers": [other, STAGE]}
+    setup = _setup(good)
+    assert (setup.replicas, setup.replica, setup.averaging_peers) == (2, 1, (other, STAGE))
+    assert JobSetup.from_wire(setup.to_wire()) == setup
+    for wrong in (
+        {"replica": 2},  # past the replicas
+        {"group": ""},  # no group to average in
+        {"averaging_peers": [other]},  # one peer for two replicas
+        {"averaging_peers": [STAGE, other]},  # this stage's peer at the other replica's place
+        {"averaging_peers": [other, "not-a-peer"]},
+    ):
+        with pytest.raises(RecordError, match=r"replica|averaging peers|group"):
+            _setup({**good, **wrong})
 
 
 def test_setup_sizes_are_bounded() -> None:

@@ -7,6 +7,7 @@ import msgpack
 import pytest
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import CompositeValidator, DHTRecord
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from fusionp2p.errors import RecordError
@@ -191,3 +192,22 @@ def test_a_run_report_is_taken_only_from_its_data_owner(keys) -> None:
         _run_report(alice, events=("x",) * 4)
     with pytest.raises(RecordError, match="counters"):
         _run_report(alice, step=61)
+
+
+def test_an_averagers_declaration_is_the_one_unsigned_record_taken(keys) -> None:
+    """hivemind's matchmaking stores ``True``/``False`` under the averager's PeerID, unsigned
+    (runtime.averaging): taken while it lives minutes, nothing else unsigned is."""
+    (alice, _), _ = keys
+    peer_bytes = PeerID.from_base58(alice).to_bytes()
+    now = get_dht_time()
+
+    def record(value: object, subkey: object = peer_bytes, lifetime: float = 30.0) -> DHTRecord:
+        packed = msgpack.packb(value, use_bin_type=True)
+        return DHTRecord(b"k" * 20, msgpack.packb(subkey, use_bin_type=True), packed, now + lifetime)
+
+    assert _validator().validate(record(True)) and _validator().validate(record(False))
+    assert not _validator().validate(record(1.5))  # a state-sharing priority: not declared by ours
+    assert not _validator().validate(record(True, lifetime=3600.0))
+    assert not _validator().validate(record(True, subkey=b"x" * 40))  # not a PeerID
+    assert not _validator().validate(record(True, subkey="text"))
+    assert not _validator().validate(record(b"\xc3" * 100))

@@ -236,7 +236,9 @@ class JobSetup(WireRecord):
         self._check_replicas()
 
     def _check_replicas(self) -> None:
-        if self.replica >= self.replicas or (self.replicas > 1 and not NAME_RE.match(self.group)):
+        if self.group and not NAME_RE.match(self.group):
+            raise RecordError(f"setup group {self.group!r:.80} is not 1-64 letters, digits, '-' or '_'")
+        if self.replica >= self.replicas or (self.replicas > 1 and not self.group):
             raise RecordError(
                 f"setup replica {self.replica} of {self.replicas} needs 0 <= replica < replicas, and a "
                 "group name (1-64 letters, digits, '-' or '_') when replicas > 1"
