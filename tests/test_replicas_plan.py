@@ -1,4 +1,5 @@
-"""Data-parallel replicas of one split: the plan, its averaging cost, and the choice of R."""
+"""Data-parallel replicas of one split: the plan, its averaging cost, the choice of R, and how a
+replicated job divides its micro-batches."""
 
 from __future__ import annotations
 
@@ -7,11 +8,21 @@ import math
 import numpy as np
 import pytest
 
+from fusionp2p.errors import ConfigError
 from fusionp2p.opdag import TransformerShape, transformer_dag
 from fusionp2p.opdag.offline import OfflineModel, offline_dag
-from fusionp2p.planning import CompressionPolicy, CostConfig, PlanningError, Topology, synthetic_swarm
+from fusionp2p.planning import (
+    CompressionPolicy,
+    CostConfig,
+    PlanningError,
+    RuntimeLayout,
+    Topology,
+    synthetic_swarm,
+)
 from fusionp2p.planning.owner import OwnerFrame, owner_part
 from fusionp2p.planning.replicas import averaging_seconds, plan_replicas, shared_owner
+from fusionp2p.runtime.job_setup import JobOptions
+from fusionp2p.runtime.replicated import replica_options, split_micro_batches
 
 GPT = TransformerShape("gpt2", 8, 512, 8, 8192, 256, 2048, 8, True)
 DENSE = CostConfig(n_micro_batches=8, compression=CompressionPolicy(kind="none"))
@@ -103,3 +114,15 @@ def test_a_replica_count_that_cannot_be_had_is_refused_with_the_reason() -> None
         plan_replicas(dag, _uniform(4), DENSE, 8)
     with pytest.raises(PlanningError, match="'auto' or a positive number"):
         plan_replicas(dag, _uniform(4), DENSE, 0)
+
+
+def test_a_replicated_job_splits_its_micro_batches_and_names_its_replicas() -> None:
+    assert split_micro_batches(6, 3) == [range(0, 2), range(2, 4), range(4, 6)]
+    with pytest.raises(ConfigError, match="divide"):
+        split_micro_batches(5, 2)
+    owner, a, b, c, d = ("Qm" + ch * 44 for ch in "oabcd")
+    layouts = [RuntimeLayout((owner, a, b)), RuntimeLayout((owner, c, d))]
+    options = replica_options(JobOptions(job="run-1", n_micro_batches=4), layouts, 1)
+    assert (options.job, options.n_micro_batches, options.group) == ("run-1-r1", 2, "run-1")
+    assert (options.replicas, options.replica) == (2, 1)
+    assert options.replica_peers == ((owner, a, b), (owner, c, d))
