@@ -4,6 +4,7 @@ global batch (issue 35)."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 
@@ -12,7 +13,7 @@ import torch
 from exec_helpers import user_model_swarm
 
 from fusionp2p.config import OptimizerConfig
-from fusionp2p.errors import SwarmError
+from fusionp2p.errors import ProtocolError, SwarmError
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.spec import build_model
 from fusionp2p.records import ModelSpec
@@ -84,3 +85,27 @@ def test_replicas_need_their_own_peers(swarm: Swarm) -> None:
         swarm.data_owner().pipeline(
             GPT2, n_stages=3, replicas=3, options=JobOptions(n_micro_batches=3), registry=LOCAL
         )
+
+
+def test_replicas_that_miss_the_averaging_deadline_go_on_alone_and_the_check_says_so(swarm: Swarm) -> None:
+    """An averaging deadline too short for hivemind to match a group: every stage is left
+    out of every average and steps on its own replica's gradients. Training goes on (the
+    losses stay finite and near the reference's), and the replicas' check fails loudly."""
+    model = build_model(GPT2, LOCAL)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps, weight_decay=OPT.weight_decay
+    )
+    options = JobOptions(n_micro_batches=N_MB, optimizer=OPT, timeout=120, averaging_s=0.2)
+    with swarm.data_owner().pipeline(GPT2, n_stages=3, replicas=2, options=options, registry=LOCAL) as pipe:
+        for step in range(3):
+            opt.zero_grad()
+            want = []
+            for x, y in _batches(step):
+                value = LOSSES["lm"]([model(x)], y)
+                want.append(value.item())
+                (value / N_MB).backward()
+            opt.step()
+            got = pipe.train_step(_batches(step), timeout=120)
+            assert math.isfinite(got) and got == pytest.approx(sum(want) / N_MB, rel=0.05)
+        with pytest.raises(ProtocolError, match=r"replicas \[1\] hold other parameters .* diverged"):
+            pipe.check_replicas(timeout=120)

@@ -29,7 +29,6 @@ from typing import Protocol
 import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.partition import AllreduceException
 
 from fusionp2p.errors import ConfigError
 
@@ -140,7 +139,7 @@ class StageAverager:
         self.deadline_s = deadline_s
         self.members = frozenset(members)
         self.key = group_key(job, plan_version, stage, owner)
-        matchmaking = max(0.5, min(5.0, deadline_s / 4))
+        matchmaking = min(5.0, deadline_s / 4)  # hivemind refuses a step whose matching outlasts it
         self._averager = DecentralizedAverager(
             [torch.zeros_like(t, device="cpu") for t in like],
             dht,
@@ -167,9 +166,12 @@ class StageAverager:
                 dst.copy_(src.detach().cpu())
         try:
             gathered = self._averager.step(weight=weight, timeout=self.deadline_s)
-        except AllreduceException as e:
+        except Exception as e:  # AllreduceException: no group in time; anything else hivemind raises
             logger.warning(
-                "%s: left out of this step's average (%s); going on with own gradients", self.key, e
+                "%s: left out of this step's average (%s: %s); going on with own gradients",
+                self.key,
+                type(e).__name__,
+                e,
             )
             return AveragingResult(1, time.perf_counter() - began)
         size = len(gathered) if gathered else 1
