@@ -289,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dry-run", action="store_true", help="plan every cell on nominal rates; build nothing"
     )
+    parser.add_argument(
+        "--orders", type=int, default=40, help="random PeerID orders the dry run draws for the baselines"
+    )
     parser.add_argument("--cell-timeout", type=float, default=1200.0, help="seconds one cell may take")
     parser.add_argument("--out", default="benchmarks/results", help="where wan.json/.md/.png go")
     parser.add_argument("--keep", metavar="DIR", help="keep the peers' and cells' logs and runs in DIR")
@@ -326,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         dry = plan_cells(job, peers, links, peers[0].peer_id)
         for row in dry:
             row["clusters"] = [nominal_clusters[p] for p in row.pop("peers")]
-        spread = order_spread(job, topo, devices)
+        spread = order_spread(job, topo, devices, orders=args.orders)
         result: dict[str, Any] = {
             "topology": asdict(topo),
             "job": asdict(job),

@@ -104,7 +104,7 @@ def _assert_same_training(losses: list[float], job: JobSpec) -> None:
 def test_a_killed_stage_owner_is_planned_around_from_the_last_checkpoint(
     client: Swarm, local: LocalSwarm, tmp_path: Path
 ) -> None:
-    job = _job(tmp_path)
+    job = _job(tmp_path, steps=20)  # killed at 12, redone from the checkpoint of step 10
     killed: dict[str, Any] = {}
 
     def on_step(row: dict[str, Any]) -> None:
@@ -180,7 +180,7 @@ def test_a_stopped_stage_owner_is_planned_around_and_waking_up_corrupts_nothing(
     client: Swarm, local: LocalSwarm, tmp_path: Path
 ) -> None:
     _wait_idle(client, 2)
-    job = _job(tmp_path, name="ft-stop")
+    job = _job(tmp_path, name="ft-stop", steps=20)  # stopped at 8
     stopped: dict[str, Any] = {}
 
     def on_step(row: dict[str, Any]) -> None:

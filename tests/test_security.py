@@ -257,7 +257,7 @@ def test_a_private_peer_takes_jobs_only_from_its_list(net: Net, swarm: LocalSwar
 
 
 def test_fuzzed_frames_leave_the_peer_serving(net: Net, swarm: LocalSwarm) -> None:
-    """1,000 random and mutated frames to every protocol the peer serves; then a real job."""
+    """500 random and mutated frames to every protocol the peer serves; then a real job."""
     peer = swarm.peers[0]
     fuzzer = FrameFuzzer(random.Random(1234), stranger=net.stranger.peer_id, target=peer.peer_id)
     before, _ = _rss(peer)
@@ -299,10 +299,10 @@ def test_fuzzed_frames_leave_the_peer_serving(net: Net, swarm: LocalSwarm) -> No
         return outcomes
 
     protocols = [EXEC_PROTOCOL] * 5 + [PROBE_PROTOCOL] * 2 + list(fuzzer.DHT_PROTOCOLS)
-    payloads = fuzzer.payloads(1000, protocols=protocols)
+    payloads = fuzzer.payloads(500, protocols=protocols)
     outcomes = net.run(attack(payloads))
-    assert sum(outcomes.values()) == 1000
-    assert outcomes["error"] > 100, outcomes  # most are answered with an ERROR, not dropped silently
+    assert sum(outcomes.values()) == 500
+    assert outcomes["error"] > 50, outcomes  # most are answered with an ERROR, not dropped silently
     assert peer.popen.poll() is None, "the peer died"
     after, _ = _rss(peer)
     assert after - before < 100 << 20, (before, after)
