@@ -35,6 +35,7 @@ def test_profile_is_cached_and_flops_override_skips_measuring(tmp_path, monkeypa
     assert declared.flops == {"float32": 5e12} and declared.measured == {"float32": False}
 
 
+@pytest.mark.slow  # measures this machine's device several times (10 s here)
 def test_a_cached_profile_that_is_implausible_or_old_or_unwanted_is_measured_again(
     tmp_path, monkeypatch
 ) -> None:
@@ -70,6 +71,7 @@ def test_missing_cuda_is_a_clear_error(monkeypatch) -> None:
         measure_device("cuda:0")
 
 
+@pytest.mark.slow  # profiles an emulated device a quarter as fast (9 s here)
 def test_an_emulated_slower_device_takes_longer_and_measures_slower(tmp_path, monkeypatch) -> None:
     from fusionp2p.errors import ConfigError
     from fusionp2p.runtime.throttle import Throttle
