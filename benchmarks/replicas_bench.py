@@ -9,8 +9,10 @@ job of a fixed global batch (8 micro-batches of 2 x 64 tokens) runs as R pipelin
 stages (this process, the data owner, holds the embeddings and the loss; one peer the
 blocks), each replica on its own peer, its stage's gradients averaged through hivemind
 before every optimizer step (``runtime/replicated.py``). Reported per R: the median step
-time after the first, samples per second, scaling efficiency against R = 1, and the
-replicas' parameters checked to agree at the end (``Pipeline.check_replicas``).
+time after the first, samples per second, scaling efficiency against R = 1, the median
+seconds the slowest stage peer spent averaging in a step (with "(g of R)" if an average
+had only g replicas), and the replicas' parameters checked to agree at the end
+(``Pipeline.check_replicas``).
 """
 
 from __future__ import annotations
@@ -42,17 +44,22 @@ def batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x, x) for x in (torch.randint(0, 512, SPEC.input_shape, generator=g) for _ in range(N_MB))]
 
 
-def run(swarm: Swarm, replicas: int, steps: int) -> float:
-    """Median seconds per step after the first; raises if the replicas diverged."""
+def run(swarm: Swarm, replicas: int, steps: int) -> tuple[float, float, int]:
+    """Median seconds per step after the first, median seconds the slowest stage peer spent
+    averaging in a step, and the fewest replicas in any average; raises if the replicas
+    diverged."""
     options = JobOptions(n_micro_batches=N_MB, optimizer=OptimizerConfig(lr=1e-3), timeout=300)
     with swarm.data_owner().pipeline(SPEC, n_stages=2, replicas=replicas, options=options) as pipe:
-        times = []
+        times, averaging, groups = [], [], []
         for step in range(steps):
             began = time.perf_counter()
             pipe.train_step(batches(step), timeout=600)
             times.append(time.perf_counter() - began)
+            stages = pipe.stage_averaging()[1:]  # the peers' stages: hivemind's all-reduce
+            averaging.append(max(s for s, _ in stages))
+            groups.append(min(g for _, g in stages))
         pipe.check_replicas(timeout=120)
-    return statistics.median(times[1:])
+    return statistics.median(times[1:]), statistics.median(averaging[1:]), min(groups[1:])
 
 
 def main() -> int:
@@ -78,13 +85,14 @@ def main() -> int:
                 f"GPT-2 {SPEC.config}, {N_MB} micro-batches of {list(SPEC.input_shape)} per step, "
                 f"peers at {args.speed}x"
             )
-            print(f"{'replicas':>8} {'step s':>8} {'samples/s':>10} {'efficiency':>10}")
+            print(f"{'replicas':>8} {'step s':>8} {'samples/s':>10} {'efficiency':>10} {'averaging s':>11}")
             base = None
             for r in counts:
-                step_s = run(swarm, r, args.steps)
+                step_s, averaging_s, group = run(swarm, r, args.steps)
                 rate = samples / step_s
                 base = base or rate / r
-                print(f"{r:>8} {step_s:>8.2f} {rate:>10.2f} {rate / (base * r):>10.2f}")
+                shown = f"{averaging_s:.2f}" + ("" if group == r else f" ({group} of {r})")
+                print(f"{r:>8} {step_s:>8.2f} {rate:>10.2f} {rate / (base * r):>10.2f} {shown:>11}")
     return 0
 
 

@@ -73,6 +73,8 @@ def test_two_replicas_train_as_one_process_on_the_global_batch(swarm: Swarm) -> 
             got = pipe.run_iteration(_batches(step))
             pipe.step()
             assert got == pytest.approx(want, rel=1e-4, abs=1e-5), step
+            averaged = pipe.stage_averaging()  # every stage averaged over both replicas
+            assert [group for _, group in averaged] == [2, 2, 2] and all(s >= 0 for s, _ in averaged)
         digests = pipe.check_replicas(timeout=120)
         assert len(digests) == 3
         reference = dict(model.named_parameters(remove_duplicate=False))
@@ -107,5 +109,6 @@ def test_replicas_that_miss_the_averaging_deadline_go_on_alone_and_the_check_say
             opt.step()
             got = pipe.train_step(_batches(step), timeout=120)
             assert math.isfinite(got) and got == pytest.approx(sum(want) / N_MB, rel=0.05)
+            assert [group for _, group in pipe.stage_averaging()[1:]] == [1, 1]  # the peers: left out
         with pytest.raises(ProtocolError, match=r"replicas \[1\] hold other parameters .* diverged"):
             pipe.check_replicas(timeout=120)

@@ -67,7 +67,9 @@ FETCHABLE = ("params", "grads", "state", "fingerprint")
 FINGERPRINT = struct.Struct("<4d")  # runtime.averaging.parameter_fingerprint
 CONTROL_REPLY_BYTES = 4 << 10  # an ACK or an ERROR reason
 CREDIT = struct.Struct("!Q")  # an OpData ACK's payload: bytes the receiver takes in flight from this sender
-STEP_REPLY = struct.Struct("!dI")  # a step ACK's payload: seconds computed, most micro-batches held at once
+# a step ACK's payload: seconds computed, most micro-batches held at once, seconds spent
+# averaging with the other replicas, and how many replicas averaged together (0: not replicated)
+STEP_REPLY = struct.Struct("!dIdI")
 MESSAGE_HEADER_LEN = struct.Struct("!H")  # the length of the header record that starts a message
 _MAX_MADDRS = 8
 _MAX_PARTS = 1 << 16  # parts of one shard

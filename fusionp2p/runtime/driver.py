@@ -135,6 +135,8 @@ class PipelineDriver:
         self.iteration = 0
         self.stage_seconds: list[float] = []  # per stage: compute seconds of the last iteration
         self.stage_held: list[int] = []  # per stage: most micro-batches held at once in the last iteration
+        # per stage: (seconds averaging, replicas averaged together) in the last step; (0, 0): alone
+        self.stage_averaging: list[tuple[float, int]] = []
         self._clients = clients
         self._limits = limits
         self._input_name = next(s for s in part.segments if s.kind == "source").nodes[0]
@@ -388,9 +390,11 @@ class PipelineDriver:
         )
         reports = {self.partition.data_stage: own}
         for stage, (_, payload) in zip(self._clients, replies, strict=True):
-            reports[stage] = STEP_REPLY.unpack(payload) if len(payload) == STEP_REPLY.size else (math.nan, 0)
+            fine = len(payload) == STEP_REPLY.size
+            reports[stage] = STEP_REPLY.unpack(payload) if fine else (math.nan, 0, math.nan, 0)
         self.stage_seconds = [reports[s][0] for s in sorted(reports)]
         self.stage_held = [reports[s][1] for s in sorted(reports)]
+        self.stage_averaging = [(reports[s][2], reports[s][3]) for s in sorted(reports)]
         self.iteration += 1
 
     async def train_step(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:

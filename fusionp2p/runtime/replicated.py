@@ -104,6 +104,20 @@ class ReplicatedDriver:
         """Per stage, the most seconds any replica's owner of it computed in the last iteration."""
         return [max(col) for col in zip(*(d.stage_seconds for d in self.replicas), strict=True)]
 
+    @property
+    def stage_averaging(self) -> list[tuple[float, int]]:
+        """Per stage, in the last step: the most seconds a replica of it spent averaging,
+        and the fewest replicas that averaged together (R: none was left out). The data
+        owner's own stage: its in-memory average of its R copies."""
+        data_stage = self.partition.data_stage
+        out = []
+        for stage, reports in enumerate(zip(*(d.stage_averaging for d in self.replicas), strict=True)):
+            if stage == data_stage:
+                out.append((self.averaging_s, len(self.replicas)))
+            else:
+                out.append((max(s for s, _ in reports), min(g for _, g in reports)))
+        return out
+
     async def checkpoint(self, step: int, replicas: Mapping[int, str]) -> list[ShardReport]:
         """Replica 0's stages write their shards (``PipelineDriver.checkpoint``): every
         replica holds the same parameters and optimizer state."""

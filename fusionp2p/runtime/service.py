@@ -315,17 +315,22 @@ class ExecutorService:
         job = self.jobs.get(job_name)
         return set(job.leaving) if job is not None else set()
 
-    async def step(self, job_name: str) -> tuple[float, int]:
+    async def step(self, job_name: str) -> tuple[float, int, float, int]:
         """Once the job's iteration is done here, applies the optimizer and moves on; the
-        seconds this stage computed in the iteration, and the most micro-batches whose
-        activations it held at once (at most its setup's ``in_flight``).
+        seconds this stage computed in the iteration, the most micro-batches whose
+        activations it held at once (at most its setup's ``in_flight``), and for a
+        replicated stage the seconds it averaged and the replicas in that average (0, 0
+        if it is not replicated).
 
         Raises:
             ProtocolError: the job failed, or its iteration did not finish in time.
         """
         job = self._job(job_name)
         seconds = await self.compute.step(job)
-        return seconds, job.last_held_peak
+        averaged = job.last_averaging
+        if averaged is None:
+            return seconds, job.last_held_peak, 0.0, 0
+        return seconds, job.last_held_peak, averaged.seconds, averaged.group_size
 
     # ------------------------------------------------------------ control
     async def _control(

@@ -113,6 +113,11 @@ class Pipeline:
         """Per runtime stage (0 is this process): seconds it computed in the last iteration."""
         return list(self.driver.stage_seconds)
 
+    def stage_averaging(self) -> list[tuple[float, int]]:
+        """Per runtime stage, in the last step: seconds spent averaging gradients with the
+        other replicas, and how many averaged together ((0, 0) without replicas)."""
+        return list(self.driver.stage_averaging)
+
     def fetch(self, what: str = "params", *, timeout: float | None = None) -> dict[str, torch.Tensor]:
         """All stages' parameters (``"params"``), this iteration's gradients (``"grads"``), or
         a checkpoint's worth of state (``"state"``: every tensor and the optimizer's).
