@@ -122,7 +122,8 @@ def test_a_replicated_job_splits_its_micro_batches_and_names_its_replicas() -> N
         split_micro_batches(5, 2)
     owner, a, b, c, d = ("Qm" + ch * 44 for ch in "oabcd")
     layouts = [RuntimeLayout((owner, a, b)), RuntimeLayout((owner, c, d))]
-    options = replica_options(JobOptions(job="run-1", n_micro_batches=4), layouts, 1)
+    options = replica_options(JobOptions(job="run-1", n_micro_batches=4, max_memory=1000), layouts, 1)
     assert (options.job, options.n_micro_batches, options.group) == ("run-1-r1", 2, "run-1")
+    assert options.max_memory == 500  # this process holds both replicas' copies of its stage
     assert (options.replicas, options.replica) == (2, 1)
     assert options.replica_peers == ((owner, a, b), (owner, c, d))

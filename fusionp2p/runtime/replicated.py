@@ -55,12 +55,16 @@ def split_micro_batches(n_micro_batches: int, replicas: int) -> list[range]:
 
 def replica_options(options: JobOptions, layouts: Sequence[RuntimeLayout], replica: int) -> JobOptions:
     """``options`` of the whole job as replica ``replica`` of ``layouts`` runs them: its own
-    job name, its share of the micro-batches, the group it averages in and with whom."""
+    job name, its share of the micro-batches, the group it averages in and with whom, and
+    its share of the data owner's memory allowance (this process holds every replica's
+    copy of its stage)."""
     runs = split_micro_batches(options.n_micro_batches, len(layouts))
+    allowance = options.max_memory // len(layouts) if options.max_memory is not None else None
     return dataclasses.replace(
         options,
         job=f"{options.job}-r{replica}",
         n_micro_batches=len(runs[replica]),
+        max_memory=allowance,
         replicas=len(layouts),
         replica=replica,
         group=options.job,
