@@ -246,6 +246,7 @@ class Peer:
             deadline_s=setup.averaging_s,
             owner=owner,
             members=setup.averaging_peers,
+            generation=setup.generation,
         )
 
     def _jobs_changed(self) -> None:

@@ -29,7 +29,7 @@ from fusionp2p.net.memory_transport import MemoryTransport
 from fusionp2p.net.transport import FrameStream
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.planning import RuntimeLayout
-from fusionp2p.records import EXEC_PROTOCOL, ExecControl, JobSetup, ModelSpec, pack_message
+from fusionp2p.records import EXEC_PROTOCOL, ExecControl, JobSetup, ModelSpec, ReplicaGroup, pack_message
 from fusionp2p.runtime.admission import admit_setup
 from fusionp2p.runtime.driver import PipelineDriver
 from fusionp2p.runtime.job_setup import JobOptions
@@ -440,6 +440,19 @@ def test_a_replicated_setup_names_its_group_and_the_peers_it_averages_with() -> 
     ):
         with pytest.raises(RecordError, match=r"replica|averaging peers|group"):
             _setup({**good, **wrong})
+
+
+def test_a_replica_group_names_this_stage_among_the_replicas_left() -> None:
+    group = ReplicaGroup(generation=2, replica=1, averaging_peers=(OWNER, STAGE))
+    assert ReplicaGroup.from_wire(group.to_wire()) == group
+    for wrong in (
+        {"replica": 2},  # no such place
+        {"averaging_peers": []},
+        {"averaging_peers": [OWNER, "not-a-peer"]},
+        {"generation": 0},  # a regroup starts a later generation than the setup's 0
+    ):
+        with pytest.raises(RecordError):
+            ReplicaGroup.from_body({**group.to_body(), **wrong})
 
 
 def test_setup_sizes_are_bounded() -> None:

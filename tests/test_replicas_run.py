@@ -5,6 +5,7 @@ global batch (issue 35)."""
 from __future__ import annotations
 
 import math
+import signal
 import time
 from collections.abc import Iterator
 
@@ -14,6 +15,7 @@ from exec_helpers import user_model_swarm
 
 from fusionp2p.config import OptimizerConfig
 from fusionp2p.errors import ProtocolError, SwarmError
+from fusionp2p.launch import LocalSwarm
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.spec import build_model
 from fusionp2p.records import ModelSpec
@@ -33,11 +35,14 @@ pytestmark = pytest.mark.swarm
 
 
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
-    with (
-        user_model_swarm(4, swarm="replicas", workdir=str(tmp_path_factory.mktemp("replicas"))) as local,
-        Swarm(local.initial_peers, swarm=local.swarm) as client,
-    ):
+def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
+    with user_model_swarm(4, swarm="replicas", workdir=str(tmp_path_factory.mktemp("replicas"))) as peers:
+        yield peers
+
+
+@pytest.fixture(scope="module")
+def swarm(local: LocalSwarm) -> Iterator[Swarm]:
+    with Swarm(local.initial_peers, swarm=local.swarm) as client:
         deadline = time.monotonic() + 60
         while len(client.peers()) < len(local.peers) and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -112,3 +117,45 @@ def test_replicas_that_miss_the_averaging_deadline_go_on_alone_and_the_check_say
             assert [group for _, group in pipe.stage_averaging()[1:]] == [1, 1]  # the peers: left out
         with pytest.raises(ProtocolError, match=r"replicas \[1\] hold other parameters .* diverged"):
             pipe.check_replicas(timeout=120)
+
+
+def test_a_lost_replica_is_dropped_and_the_other_goes_on_without_a_roll_back(
+    swarm: Swarm, local: LocalSwarm
+) -> None:
+    """SIGKILL a stage peer of replica 1 after 3 steps (this test kills a peer of the
+    module's swarm: it runs last). The next step drops replica 1, keeps replica 0's half of
+    the batch, and replica 0 goes on alone, each step the 2 micro-batches it runs: the
+    losses are those of one process that trained on what the surviving replica saw."""
+    model = build_model(GPT2, LOCAL)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps, weight_decay=OPT.weight_decay
+    )
+
+    def reference(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+        opt.zero_grad()
+        out = []
+        for x, y in batches:
+            value = LOSSES["lm"]([model(x)], y)
+            out.append(value.item())
+            (value / len(batches)).backward()
+        opt.step()
+        return out
+
+    options = JobOptions(n_micro_batches=N_MB, optimizer=OPT, timeout=60, averaging_s=20.0)
+    with swarm.data_owner().pipeline(GPT2, n_stages=3, replicas=2, options=options, registry=LOCAL) as pipe:
+        for step in range(3):
+            got = pipe.run_iteration(_batches(step))
+            pipe.step()
+            assert got == pytest.approx(reference(_batches(step)), rel=1e-4, abs=1e-5), step
+        victim = pipe.driver.replicas[1].stage_owners[0]
+        local.signal(next(i for i, p in enumerate(local.peers) if p.peer_id == victim), signal.SIGKILL)
+        got = pipe.run_iteration(_batches(3))  # replica 1 fails here and is dropped
+        pipe.step()
+        assert got == pytest.approx(reference(_batches(3)[:2]), rel=1e-4, abs=1e-5)
+        assert pipe.driver.n_micro_batches == 2 and victim in pipe.driver.lost
+        for step in (4, 5):
+            batches = _batches(step)[:2]
+            got = pipe.run_iteration(batches)
+            pipe.step()
+            assert got == pytest.approx(reference(batches), rel=1e-4, abs=1e-5), step
+            assert [group for _, group in pipe.stage_averaging()] == [1, 0, 0]  # nobody to average with

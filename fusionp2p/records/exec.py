@@ -37,6 +37,7 @@ __all__ = [
     "ExecHeader",
     "JobSetup",
     "LocalWeights",
+    "ReplicaGroup",
     "decode_exec_header",
     "message_prefix",
     "pack_message",
@@ -46,7 +47,8 @@ __all__ = [
 # checkpoint: write this stage's shard (a ShardOrder); shard_put: a shard's replica, from a
 # stage of the job; grant / shard_get: who may read a shard, and reading it (records.shards);
 # load_local: load pretrained tensors from this peer's own copy (a LocalWeights); leaving:
-# a stage owner tells its job's data owner that it is leaving the swarm (no body)
+# a stage owner tells its job's data owner that it is leaving the swarm (no body); regroup:
+# a replicated stage's averaging group shrank (a ReplicaGroup)
 EXEC_COMMANDS = (
     "setup",
     "weights",
@@ -60,6 +62,7 @@ EXEC_COMMANDS = (
     "shard_get",
     "load_local",
     "leaving",
+    "regroup",
 )
 # state: every tensor and the optimizer's, for a checkpoint; fingerprint: statistics of the
 # parameters (FINGERPRINT), which the replicas of a stage compare
@@ -203,6 +206,7 @@ class JobSetup(WireRecord):
     averaging_s: Annotated[float, Range(0.1, 3600.0)] = 30.0
     # per replica, the peer that runs this stage: the only ones it averages with
     averaging_peers: Annotated[tuple[str, ...], Limit(MAX_REPLICAS)] = ()
+    generation: Annotated[int, Range(0, _MAX_COUNTER)] = 0  # of the averaging group (ReplicaGroup)
 
     def __post_init__(self) -> None:
         n = len(self.peers)
@@ -292,3 +296,22 @@ class LocalWeights(WireRecord):
                 raise RecordError(
                     f"local weights of {name[:80]!r} ({key[:80]!r}): a bad digest or dtype {dtype!r:.20}"
                 )
+
+
+@dataclass(frozen=True)
+class ReplicaGroup(WireRecord):
+    """The body of a ``regroup``: a replicated stage's averaging group from now on (a replica
+    was lost): the peers of this stage in the replicas left, this stage's place among them,
+    and the group's generation (each regroup starts a new averaging group)."""
+
+    KIND: ClassVar[str] = "replica_group"
+    MAX_BYTES: ClassVar[int] = 64 << 10
+
+    generation: Annotated[int, Range(1, _MAX_COUNTER)]
+    replica: Annotated[int, Range(0, MAX_REPLICAS - 1)]
+    averaging_peers: Annotated[tuple[str, ...], Limit(MAX_REPLICAS)]
+
+    def __post_init__(self) -> None:
+        peers = self.averaging_peers
+        if not 0 <= self.replica < len(peers) or not all(PEER_ID_RE.match(p) for p in peers):
+            raise RecordError("replica group: one PeerID per replica left, this stage's at its place")

@@ -19,6 +19,7 @@ from fusionp2p.records import (
     JobSetup,
     LocalWeights,
     OpData,
+    ReplicaGroup,
     ShardGrant,
     ShardOrder,
     ShardRequest,
@@ -128,6 +129,8 @@ def admit_control(
         return ShardOrder.MAX_BYTES
     if command == "load_local":
         return LocalWeights.MAX_BYTES
+    if command == "regroup":
+        return ReplicaGroup.MAX_BYTES
     return job.weights_limit if command == "weights" else 0
 
 

@@ -49,16 +49,17 @@ _KEY_RE = re.compile(r"^[\w-]{1,64}$")
 _READY_S = 60.0  # how long the averager's process may take to join the DHT
 
 
-def group_key(job: str, plan_version: int, stage: int, owner: str = "") -> str:
-    """The averaging group of one stage of one plan of ``owner``'s job (hivemind's prefix:
-    no dots).
+def group_key(job: str, plan_version: int, stage: int, owner: str = "", generation: int = 0) -> str:
+    """The averaging group of one stage of one plan of ``owner``'s job, in its
+    ``generation`` (a new one after a replica is lost; hivemind's prefix: no dots).
 
     Raises:
         ConfigError: a job name or owner that cannot be part of a DHT key.
     """
     if not _KEY_RE.match(job) or (owner and not _KEY_RE.match(owner)):
         raise ConfigError(f"job name {job!r:.80} cannot name an averaging group (letters, digits, _ and -)")
-    return f"fusionp2p_avg_{owner + '_' if owner else ''}{job}_v{plan_version}_s{stage}"
+    key = f"fusionp2p_avg_{owner + '_' if owner else ''}{job}_v{plan_version}_s{stage}"
+    return f"{key}_g{generation}" if generation else key
 
 
 @dataclass(frozen=True)
@@ -133,12 +134,13 @@ class StageAverager:
         deadline_s: float,
         owner: str = "",
         members: Collection[str] = (),
+        generation: int = 0,
     ) -> None:
         if replicas < 2:
             raise ConfigError(f"averaging needs at least 2 replicas, got {replicas}")
         self.deadline_s = deadline_s
         self.members = frozenset(members)
-        self.key = group_key(job, plan_version, stage, owner)
+        self.key = group_key(job, plan_version, stage, owner, generation)
         matchmaking = min(5.0, deadline_s / 4)  # hivemind refuses a step whose matching outlasts it
         self._averager = DecentralizedAverager(
             [torch.zeros_like(t, device="cpu") for t in like],

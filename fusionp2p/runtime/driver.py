@@ -42,6 +42,7 @@ from fusionp2p.records import (
     ExecControl,
     JobSetup,
     ModelSpec,
+    ReplicaGroup,
     ShardOrder,
     ShardReport,
 )
@@ -149,6 +150,11 @@ class PipelineDriver:
     @property
     def n_micro_batches(self) -> int:
         return self.executor.n_micro_batches
+
+    @property
+    def stage_owners(self) -> list[str]:
+        """The peers that run this job's other stages."""
+        return [client.peer_id for client in self._clients.values()]
 
     @classmethod
     async def create(
@@ -471,6 +477,20 @@ class PipelineDriver:
         stages = list(self._clients)
         got = await asyncio.gather(*(remote(s, self._clients[s]) for s in stages))
         return {self.partition.data_stage: own, **dict(zip(stages, got, strict=True))}
+
+    async def regroup(self, generation: int, replica: int, peers: Mapping[int, tuple[str, ...]]) -> None:
+        """Tells each stage ``s`` of this replica to average with ``peers[s]`` from now on,
+        as the ``replica``-th of them, in averaging group ``generation``.
+
+        Raises:
+            ProtocolError / PeerUnreachableError: a stage refused or is gone.
+        """
+
+        async def tell(stage: int, client: ExecClient) -> None:
+            body = ReplicaGroup(generation, replica, peers[stage]).to_wire()
+            await client.request(ExecControl(command="regroup", job=self.job, body_bytes=len(body)), body)
+
+        await asyncio.gather(*(tell(s, c) for s, c in self._clients.items()))
 
     async def unresponsive(self, timeout: float = DEFAULT_TIMEOUTS.ping) -> list[str]:
         """The stage owners that said they leave the swarm, and those that do not answer a

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from fusionp2p.config import DEFAULT_TIMEOUTS
-from fusionp2p.errors import ConfigError, ProtocolError
+from fusionp2p.errors import ConfigError, FusionP2PError, ProtocolError
 from fusionp2p.net.transport import Transport
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.split import Partition
@@ -81,6 +81,9 @@ class ReplicatedDriver:
         self.options = options
         self.iteration = 0
         self.averaging_s = 0.0  # seconds this process spent averaging its own copies, last step
+        self.per_replica = options.n_micro_batches // len(replicas)  # micro-batches each replica runs
+        self.generation = 0  # of the stages' averaging groups: one more per lost replica
+        self.lost: list[str] = []  # stage owners whose replicas were dropped
 
     @property
     def job(self) -> str:
@@ -88,7 +91,8 @@ class ReplicatedDriver:
 
     @property
     def n_micro_batches(self) -> int:
-        return self.options.n_micro_batches
+        """Micro-batches of one step: each replica's run, for the replicas left."""
+        return self.per_replica * len(self.replicas)
 
     @property
     def partition(self) -> Partition:
@@ -179,18 +183,56 @@ class ReplicatedDriver:
 
     async def run_iteration(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
         """Forward and backward of the global batch, each replica its run of micro-batches;
-        the losses in the global batch's order.
+        the losses in the global batch's order. A replica whose stage failed or is gone is
+        dropped, with no roll-back of the others: its runs' losses are left out, the
+        replicas left average among themselves from now on, and ``n_micro_batches`` shrinks
+        by its run.
 
         Raises:
-            ValueError: not ``n_micro_batches`` batches. See ``PipelineDriver.run_iteration``.
+            ValueError: not ``n_micro_batches`` batches.
+            ProtocolError / PeerUnreachableError: every replica failed, or the replicas left
+                could not be regrouped. See ``PipelineDriver.run_iteration``.
         """
         if len(batches) != self.n_micro_batches:
             raise ValueError(f"expected {self.n_micro_batches} micro-batches, got {len(batches)}")
         runs = split_micro_batches(self.n_micro_batches, len(self.replicas))
-        losses = await asyncio.gather(
-            *(d.run_iteration([batches[m] for m in run]) for d, run in zip(self.replicas, runs, strict=True))
+        results = await asyncio.gather(
+            *(d.run_iteration([batches[m] for m in run]) for d, run in zip(self.replicas, runs, strict=True)),
+            return_exceptions=True,
         )
-        return [loss for replica in losses for loss in replica]
+        failed = {k: r for k, r in enumerate(results) if isinstance(r, BaseException)}
+        for error in failed.values():
+            if not isinstance(error, FusionP2PError):
+                raise error
+        if len(failed) == len(self.replicas):
+            raise next(iter(failed.values()))
+        if failed:
+            await self._drop(failed)
+        return [loss for r in results if not isinstance(r, BaseException) for loss in r]
+
+    async def _drop(self, failed: Mapping[int, BaseException]) -> None:
+        """Drops the failed replicas and regroups the stages of the others."""
+        for k, error in failed.items():
+            logger.warning(
+                "job %s: replica %d dropped (%s); %d replica(s) go on without a roll-back",
+                self.job,
+                k,
+                error,
+                len(self.replicas) - len(failed),
+            )
+        lost = [d for k, d in enumerate(self.replicas) if k in failed]
+        self.replicas = [d for k, d in enumerate(self.replicas) if k not in failed]
+        self.lost += [peer for d in lost for peer in d.stage_owners]
+        await asyncio.gather(*(self._end(d) for d in lost))
+        self.generation += 1
+        data_stage = self.partition.data_stage
+        stages = [s for s in range(self.partition.n_stages) if s != data_stage]
+        peers = {s: tuple(d.setups[s].peer_of(s) for d in self.replicas) for s in stages}
+        await asyncio.gather(*(d.regroup(self.generation, k, peers) for k, d in enumerate(self.replicas)))
+
+    async def _end(self, driver: PipelineDriver) -> None:
+        await driver.aclose(teardown_timeout=5.0)
+        await self.service.remove(driver.job, "its replica was dropped")
 
     async def step(self) -> None:
         """Averages this process's copies of its stage, then every replica steps (its stage

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -43,6 +44,7 @@ from fusionp2p.records import (
     JobSetup,
     LocalWeights,
     OpData,
+    ReplicaGroup,
     ShardRequest,
     pack_message,
 )
@@ -390,6 +392,9 @@ class ExecutorService:
         if header.command == "teardown":
             await self._drop(job, "its owner tore it down")
             return FrameKind.ACK, b""
+        if header.command == "regroup":
+            await self._regroup(job, ReplicaGroup.from_wire(body))
+            return FrameKind.ACK, b""
         if header.command == "fetch":
             if header.what not in FETCHABLE:
                 raise ProtocolError(f"cannot fetch {header.what!r:.40}")
@@ -464,6 +469,44 @@ class ExecutorService:
                 if stage != setup.stage and maddrs and peer_id != self.transport.peer_id
             )
         )
+
+    async def _regroup(self, job: Job, group: ReplicaGroup) -> None:
+        """A replicated stage averages with ``group`` from now on (a replica was lost): only
+        with peers it averaged with before, in a new averaging group; alone, it stops
+        averaging.
+
+        Raises:
+            ProtocolError: the job is not replicated, or the group is not a smaller part of
+                its old one with this peer at its place, or not of a later generation.
+        """
+        setup, peers = job.setup, group.averaging_peers
+        if (
+            setup.replicas < 2
+            or not set(peers) <= set(setup.averaging_peers)
+            or len(peers) >= setup.replicas
+            or peers[group.replica] != self.transport.peer_id
+            or group.generation <= setup.generation
+        ):
+            raise ProtocolError(f"job {job.name}: not a smaller averaging group of its replicas")
+        old, job.averager = job.averager, None
+        if old is not None:
+            await asyncio.to_thread(old.close)
+        job.setup = dataclasses.replace(
+            setup,
+            replicas=len(peers),
+            replica=group.replica,
+            averaging_peers=peers,
+            generation=group.generation,
+        )
+        if len(peers) > 1 and self._averagers is not None:
+            job.averager = await asyncio.to_thread(self._averagers, job.setup, job.owner, job.executor)
+        logger.info("job %s: stage %d averages with %d replica(s) now", job.name, setup.stage, len(peers))
+
+    async def remove(self, job_name: str, why: str) -> None:
+        """Stops serving a job here (a data owner dropping one of its replicas)."""
+        job = self.jobs.get(job_name)
+        if job is not None:
+            await self._drop(job, why)
 
     def install(self, executor: Executor, setup: JobSetup, *, owner: str) -> Job:
         """Serves ``executor`` as stage ``setup.stage`` of ``setup.job``, obeying ``owner``
