@@ -23,6 +23,7 @@ from pathlib import Path
 from hivemind.p2p import P2P
 
 from fusionp2p.config import ProbeConfig
+from fusionp2p.errors import PeerUnreachableError
 from fusionp2p.net.probe import LinkEstimator, probe_link, serve_probe
 from fusionp2p.net.transport import P2PTransport
 from fusionp2p.records import PROBE_PROTOCOL
@@ -90,7 +91,12 @@ def test_a_probe_over_40_ms_of_rtt_measures_within_20_percent_of_what_the_link_c
             await served.serve(PROBE_PROTOCOL, handler)
             port = int(str((await server.get_visible_maddrs())[0]).split("/tcp/")[1].split("/")[0])
             relay, relay_port = _relay(port, tmp_path / "relay.json")
-            return await run(relay_port, server)
+            try:
+                return await run(relay_port, server)
+            except PeerUnreachableError:  # the userspace relay's libp2p connection dropped
+                # (seen once, in a full test run on a loaded machine): this test is about what a
+                # probe measures, not the relay's endurance, so it measures once more
+                return await run(relay_port, server)
         finally:
             if relay is not None:
                 relay.terminate()

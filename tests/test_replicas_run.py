@@ -94,16 +94,18 @@ def test_replicas_need_their_own_peers(swarm: Swarm) -> None:
         )
 
 
-def test_replicas_that_miss_the_averaging_deadline_go_on_alone_and_the_check_says_so(swarm: Swarm) -> None:
-    """An averaging deadline too short for hivemind to match a group: every stage is left
-    out of every average and steps on its own replica's gradients. Training goes on (the
-    losses stay finite and near the reference's), and the replicas' check fails loudly."""
+def test_a_replica_that_comes_after_the_deadline_is_left_out_and_the_check_says_so(swarm: Swarm) -> None:
+    """Each step, replica 0 steps first and replica 1 only once replica 0 is done: each
+    stage of replica 0 waits out its 1 s deadline alone, replica 1's then finds nobody, and
+    both step on their own replica's gradients. Training goes on (losses finite and near
+    the reference's), and the replicas' check fails loudly."""
     model = build_model(GPT2, LOCAL)
     opt = torch.optim.AdamW(
         model.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps, weight_decay=OPT.weight_decay
     )
-    options = JobOptions(n_micro_batches=N_MB, optimizer=OPT, timeout=120, averaging_s=0.2)
+    options = JobOptions(n_micro_batches=N_MB, optimizer=OPT, timeout=120, averaging_s=1.0)
     with swarm.data_owner().pipeline(GPT2, n_stages=3, replicas=2, options=options, registry=LOCAL) as pipe:
+        replicas = pipe.driver.replicas
         for step in range(3):
             opt.zero_grad()
             want = []
@@ -112,9 +114,12 @@ def test_replicas_that_miss_the_averaging_deadline_go_on_alone_and_the_check_say
                 want.append(value.item())
                 (value / N_MB).backward()
             opt.step()
-            got = pipe.train_step(_batches(step), timeout=120)
-            assert math.isfinite(got) and got == pytest.approx(sum(want) / N_MB, rel=0.05)
-            assert [group for _, group in pipe.stage_averaging()[1:]] == [1, 1]  # the peers: left out
+            got = pipe.run_iteration(_batches(step))
+            for replica in replicas:  # one after the other: the second comes after the deadline
+                swarm.call(replica.step())
+                assert [group for _, group in replica.stage_averaging[1:]] == [1, 1]  # left out
+            assert all(math.isfinite(v) for v in got)
+            assert sum(got) / N_MB == pytest.approx(sum(want) / N_MB, rel=0.05)
         with pytest.raises(ProtocolError, match=r"replicas \[1\] hold other parameters .* diverged"):
             pipe.check_replicas(timeout=120)
 

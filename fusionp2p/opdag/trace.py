@@ -13,8 +13,11 @@ plain ``OpDag``.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,6 +192,31 @@ def trace_module(
     return TracedModel(program, OpDag(tuple(nodes), name=label))
 
 
+_gc_lock = threading.Lock()
+_gc_pauses = 0
+
+
+@contextlib.contextmanager
+def _no_finalizers() -> Iterator[None]:
+    """Collects garbage, then keeps the cyclic collector off while a trace runs. torch's
+    export traces under a fake mode of the tracing thread; an object finalized meanwhile in
+    that thread runs its ``__del__`` under it, and hivemind's ``MPFuture.__del__`` reads a
+    shared torch tensor (``.item()``): the trace then fails on a data-dependent symbol
+    (seen on a peer whose replicated stage's averager had just been closed)."""
+    global _gc_pauses
+    gc.collect()
+    with _gc_lock:
+        _gc_pauses += 1
+        gc.disable()
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0:
+                gc.enable()
+
+
 def trace_spec(spec: ModelSpec, registry: ModelRegistry | None = None, *, fake: bool = False) -> TracedModel:
     """Builds ``spec``'s model from ``registry`` and traces it.
 
@@ -201,18 +229,18 @@ def trace_spec(spec: ModelSpec, registry: ModelRegistry | None = None, *, fake: 
     """
     family, _ = resolve_spec(spec, registry)
     if not fake:
-        return trace_module(
-            build_model(spec, registry),
-            [example_input(spec)],
-            name=spec.family,
-            strip_prefix=family.strip_prefix,
-        )
+        model = build_model(spec, registry)
+        with _no_finalizers():
+            return trace_module(
+                model, [example_input(spec)], name=spec.family, strip_prefix=family.strip_prefix
+            )
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode():
-        module = skeleton_model(spec, registry)
-        example = example_input(spec)
-    return trace_module(module, [example], name=spec.family, strip_prefix=family.strip_prefix)
+    with _no_finalizers():
+        with FakeTensorMode():
+            module = skeleton_model(spec, registry)
+            example = example_input(spec)
+        return trace_module(module, [example], name=spec.family, strip_prefix=family.strip_prefix)
 
 
 def coarsen(dag: OpDag, depth: int) -> OpDag:

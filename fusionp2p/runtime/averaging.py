@@ -38,6 +38,7 @@ __all__ = [
     "Fingerprint",
     "GradientAverager",
     "StageAverager",
+    "fingerprint_distance",
     "fingerprints_agree",
     "group_key",
     "parameter_fingerprint",
@@ -75,7 +76,7 @@ class AveragingResult:
 
 
 Fingerprint = tuple[float, float, float, float]
-FINGERPRINT_RTOL = 1e-5  # replicas' parameters agree within this, relative to their norm
+FINGERPRINT_RTOL = 1e-4  # replicas' parameters agree within this, relative to their norm
 
 
 def parameter_fingerprint(tensors: Sequence[torch.Tensor]) -> Fingerprint:
@@ -94,13 +95,17 @@ def parameter_fingerprint(tensors: Sequence[torch.Tensor]) -> Fingerprint:
     return out[0], out[1], out[2], out[3]
 
 
-def fingerprints_agree(a: Fingerprint, b: Fingerprint, rtol: float = FINGERPRINT_RTOL) -> bool:
-    """Whether two replicas' fingerprints describe the same parameters up to rounding: each
-    statistic within ``rtol`` of what it can move by (the norm, twice its square for the
-    sum of squares)."""
+def fingerprint_distance(a: Fingerprint, b: Fingerprint) -> float:
+    """How far apart two fingerprints are, relative to what each statistic can move by (the
+    norm, twice its square for the sum of squares): ``fingerprints_agree`` compares it."""
     norm = max(a[0], b[0], 1e-30) ** 0.5
     bounds = (2 * norm * norm, norm, norm, norm)
-    return all(abs(x - y) <= rtol * bound for x, y, bound in zip(a, b, bounds, strict=True))
+    return max(abs(x - y) / bound for x, y, bound in zip(a, b, bounds, strict=True))
+
+
+def fingerprints_agree(a: Fingerprint, b: Fingerprint, rtol: float = FINGERPRINT_RTOL) -> bool:
+    """Whether two replicas' fingerprints describe the same parameters up to rounding."""
+    return fingerprint_distance(a, b) <= rtol
 
 
 class GradientAverager(Protocol):

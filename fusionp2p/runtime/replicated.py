@@ -28,7 +28,7 @@ from fusionp2p.opdag.split import Partition
 from fusionp2p.opdag.trace import TracedModel
 from fusionp2p.planning import RuntimeLayout
 from fusionp2p.records import MAX_REPLICAS, JobSetup, ModelSpec, ShardReport
-from fusionp2p.runtime.averaging import Fingerprint, fingerprints_agree
+from fusionp2p.runtime.averaging import Fingerprint, fingerprint_distance, fingerprints_agree
 from fusionp2p.runtime.driver import PipelineDriver, owner_service
 from fusionp2p.runtime.job_setup import JobOptions
 from fusionp2p.runtime.service import ExecutorService
@@ -276,9 +276,11 @@ class ReplicatedDriver:
         for stage, first in prints[0].items():
             differ = [k for k, other in enumerate(prints) if not fingerprints_agree(first, other[stage])]
             if differ:
+                apart = max(fingerprint_distance(first, prints[k][stage]) for k in differ)
                 raise ProtocolError(
                     f"job {self.job}: replicas {differ} hold other parameters for stage {stage} than "
-                    f"replica 0 after {self.iteration} steps: the replicas diverged"
+                    f"replica 0 after {self.iteration} steps ({apart:.1e} of their norm apart): "
+                    "the replicas diverged"
                 )
         return prints[0]
 
