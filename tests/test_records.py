@@ -23,6 +23,7 @@ from fusionp2p.records import (
     OpData,
     PeerRecord,
     PlanStageRecord,
+    ReplicaGroup,
     RunStatusRecord,
     ShardGrant,
     ShardOrder,
@@ -205,6 +206,7 @@ def _examples() -> list[WireRecord]:
         ShardRequest(_NS, "job-1", 10, "v3-s1", ("w", "w#exp_avg")),
         _SOURCE,
         LocalWeights((("model.w", "w", _DIGEST, "float32"),)),
+        ReplicaGroup(2, 1, (A, B)),
         JobRequest(
             "job-1-p2",
             _SPEC,
