@@ -55,26 +55,38 @@ def _batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x, x) for x in (torch.randint(0, 97, GPT2.input_shape, generator=g) for _ in range(N_MB))]
 
 
+class _OneProcess:
+    """The reference: the whole model in this process, one AdamW step per batch list."""
+
+    def __init__(self) -> None:
+        self.model = build_model(GPT2, LOCAL)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps, weight_decay=OPT.weight_decay
+        )
+
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+        """Trains on ``batches`` (their mean loss); the loss of each."""
+        self.opt.zero_grad()
+        out = []
+        for x, y in batches:
+            value = LOSSES["lm"]([self.model(x)], y)
+            out.append(value.item())
+            (value / len(batches)).backward()
+        self.opt.step()
+        return out
+
+
 def test_two_replicas_train_as_one_process_on_the_global_batch(swarm: Swarm) -> None:
     """R = 2 replicas of 3 stages (this process and 2 peers each) on 4 peers: each step's
     4 micro-batches split 2 and 2; the losses and parameters after 10 steps are those of
     one process that trains on all 4 micro-batches per step, and the replicas' parameters
     are equal stage by stage."""
-    model = build_model(GPT2, LOCAL)
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps, weight_decay=OPT.weight_decay
-    )
+    one = _OneProcess()
     options = JobOptions(n_micro_batches=N_MB, optimizer=OPT, timeout=120)
     with swarm.data_owner().pipeline(GPT2, n_stages=3, replicas=2, options=options, registry=LOCAL) as pipe:
         assert len({p.peer_id for p in pipe.peers}) == 4  # each replica on its own two peers
         for step in range(STEPS):
-            opt.zero_grad()
-            want = []
-            for x, y in _batches(step):
-                value = LOSSES["lm"]([model(x)], y)
-                want.append(value.item())
-                (value / N_MB).backward()
-            opt.step()
+            want = one.step(_batches(step))
             got = pipe.run_iteration(_batches(step))
             pipe.step()
             assert got == pytest.approx(want, rel=1e-4, abs=1e-5), step
@@ -82,7 +94,7 @@ def test_two_replicas_train_as_one_process_on_the_global_batch(swarm: Swarm) -> 
             assert [group for _, group in averaged] == [2, 2, 2] and all(s >= 0 for s, _ in averaged)
         digests = pipe.check_replicas(timeout=120)
         assert len(digests) == 3
-        reference = dict(model.named_parameters(remove_duplicate=False))
+        reference = dict(one.model.named_parameters(remove_duplicate=False))
         for name, value in pipe.fetch("params").items():
             torch.testing.assert_close(value, reference[name].detach(), rtol=1e-4, atol=1e-5, msg=name)
 
@@ -99,21 +111,12 @@ def test_a_replica_that_comes_after_the_deadline_is_left_out_and_the_check_says_
     stage of replica 0 waits out its 1 s deadline alone, replica 1's then finds nobody, and
     both step on their own replica's gradients. Training goes on (losses finite and near
     the reference's), and the replicas' check fails loudly."""
-    model = build_model(GPT2, LOCAL)
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps, weight_decay=OPT.weight_decay
-    )
+    one = _OneProcess()
     options = JobOptions(n_micro_batches=N_MB, optimizer=OPT, timeout=120, averaging_s=1.0)
     with swarm.data_owner().pipeline(GPT2, n_stages=3, replicas=2, options=options, registry=LOCAL) as pipe:
         replicas = pipe.driver.replicas
         for step in range(3):
-            opt.zero_grad()
-            want = []
-            for x, y in _batches(step):
-                value = LOSSES["lm"]([model(x)], y)
-                want.append(value.item())
-                (value / N_MB).backward()
-            opt.step()
+            want = one.step(_batches(step))
             got = pipe.run_iteration(_batches(step))
             for replica in replicas:  # one after the other: the second comes after the deadline
                 swarm.call(replica.step())
@@ -131,21 +134,7 @@ def test_a_lost_replica_is_dropped_and_the_other_goes_on_without_a_roll_back(
     module's swarm: it runs last). The next step drops replica 1, keeps replica 0's half of
     the batch, and replica 0 goes on alone, each step the 2 micro-batches it runs: the
     losses are those of one process that trained on what the surviving replica saw."""
-    model = build_model(GPT2, LOCAL)
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps, weight_decay=OPT.weight_decay
-    )
-
-    def reference(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
-        opt.zero_grad()
-        out = []
-        for x, y in batches:
-            value = LOSSES["lm"]([model(x)], y)
-            out.append(value.item())
-            (value / len(batches)).backward()
-        opt.step()
-        return out
-
+    reference = _OneProcess().step
     options = JobOptions(n_micro_batches=N_MB, optimizer=OPT, timeout=60, averaging_s=20.0)
     with swarm.data_owner().pipeline(GPT2, n_stages=3, replicas=2, options=options, registry=LOCAL) as pipe:
         for step in range(3):
