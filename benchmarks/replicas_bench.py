@@ -91,7 +91,7 @@ def main() -> int:
                 step_s, averaging_s, group = run(swarm, r, args.steps)
                 rate = samples / step_s
                 base = base or rate / r
-                shown = f"{averaging_s:.2f}" + ("" if group == r else f" ({group} of {r})")
+                shown = "-" if r == 1 else f"{averaging_s:.2f}" + ("" if group == r else f" ({group} of {r})")
                 print(f"{r:>8} {step_s:>8.2f} {rate:>10.2f} {rate / (base * r):>10.2f} {shown:>11}")
     return 0
 

@@ -146,17 +146,19 @@ class StageAverager:
         self.deadline_s = deadline_s
         self.members = frozenset(members)
         self.key = group_key(job, plan_version, stage, owner, generation)
-        matchmaking = min(5.0, deadline_s / 4)  # hivemind refuses a step whose matching outlasts it
+        # how long a group waits for late replicas (a full group starts at once); under the
+        # deadline, since hivemind refuses a step whose matching outlasts it
+        matchmaking = deadline_s / 2
         self._averager = DecentralizedAverager(
             [torch.zeros_like(t, device="cpu") for t in like],
             dht,
             start=False,
             prefix=self.key,
             target_group_size=replicas,
-            min_group_size=2,
+            min_group_size=replicas // 2 + 1,  # a majority: replicas never split into two groups
             allow_state_sharing=False,  # no state downloads: a replica's state comes from its checkpoint
             min_matchmaking_time=matchmaking,
-            request_timeout=matchmaking / 2,
+            request_timeout=min(5.0, matchmaking / 2),
         )
         # not run_in_background(): it sets SIGINT to SIG_IGN in this process for good (and
         # works only on the main thread), so a peer with a replicated stage would ignore Ctrl-C
