@@ -183,8 +183,10 @@ def format_jobs(
         stages = plans[key]
         flag = "" if key in current else "  (older epoch or coordinator: not in force)"
         owner = stages[0].data_owner[-8:] if stages[0].data_owner else "?"
+        replica = f", replica {stages[0].replica} of {stages[0].replicas}" if stages[0].replicas > 1 else ""
         rows.append(
-            f"  job {job}: epoch {epoch} by {by[-8:]}, data owner {owner}, {len(stages)} stage(s){flag}"
+            f"  job {job}: epoch {epoch} by {by[-8:]}, data owner {owner}, "
+            f"{len(stages)} stage(s){replica}{flag}"
         )
         for r in stages:
             peer = by_id.get(r.peer_id)
@@ -196,8 +198,10 @@ def format_jobs(
             ratios = ", ".join(
                 f"->{b} " + ("dense" if v <= 1 else f"Top-K 1/{v:.0f}") for b, v in sorted(r.links_to.items())
             )
+            averaging = f"  averaging ~{r.averaging_s * 1e3:.0f} ms" if r.averaging_s else ""
             rows.append(
-                f"    stage {r.stage} {r.peer_id[-8:]} {state:<8} {n_nodes:>4} nodes  {took:>12}  {ratios}"
+                f"    stage {r.stage} {r.peer_id[-8:]} {state:<8} {n_nodes:>4} nodes  {took:>12}  "
+                f"{ratios}{averaging}"
             )
     return "\n".join(rows)
 
@@ -209,7 +213,9 @@ def format_runs(runs: list[RunStatusRecord], now: float) -> str:
         rows.append(
             f"  run {r.run_id}: step {r.step}/{r.steps}, loss {r.loss:.3f}, plan v{r.plan_version} "
             f"(job {r.job}, epoch {r.epoch}), {r.replans} re-plan(s), data owner {r.data_owner[-8:]}, "
-            f"reported {max(0.0, now - r.updated_at):.0f} s ago"
+            + (f"{r.samples_per_s:.1f} samples/s, " if r.samples_per_s else "")
+            + (f"{r.replicas} replicas (averaging {r.averaging_s:.2f} s), " if r.replicas > 1 else "")
+            + f"reported {max(0.0, now - r.updated_at):.0f} s ago"
         )
         rows += [f"    {event}" for event in r.events]
     return "\n".join(rows)

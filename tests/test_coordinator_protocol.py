@@ -39,9 +39,14 @@ def _request(owner: str, spec: ModelSpec) -> JobRequest:
 class _Plans:
     """The plans part of a SwarmDirectory: one job id already planned for OWNER."""
 
-    async def fetch_plans(self, job: str) -> dict:
-        record = PlanStageRecord(job, 1, 0, 1, OTHER, "gpt2@x", (0, 4), {}, 2, 0.1, COORDINATOR, 0.0, OWNER)
-        return {(1, COORDINATOR): [record]} if job == "taken" else {}
+    async def fetch_all_plans(self) -> dict:
+        """Job "taken", and replica 1 of job "replica-taken", planned for OWNER."""
+        return {
+            (job, 1, COORDINATOR): [
+                PlanStageRecord(job, 1, 0, 1, OTHER, "gpt2@x", (0, 4), {}, 2, 0.1, COORDINATOR, 0.0, OWNER)
+            ]
+            for job in ("taken", "replica-taken-r1")
+        }
 
     async def fetch_peers(self, **_: object) -> dict:  # the lease holder's view: an empty swarm
         return {}
@@ -92,6 +97,10 @@ def test_a_job_id_belongs_to_the_data_owner_it_was_planned_for() -> None:
     with pytest.raises(ConfigError, match="belongs to another data owner"):
         asyncio.run(coordinator._check_job_id(taken))
     asyncio.run(coordinator._check_job_id(dataclasses.replace(taken, owner=peer_record(OWNER))))
+    # a replica's plan claims its job's id too, and not a mere prefix of it
+    with pytest.raises(ConfigError, match="belongs to another data owner"):
+        asyncio.run(coordinator._check_job_id(dataclasses.replace(taken, job="replica-taken")))
+    asyncio.run(coordinator._check_job_id(dataclasses.replace(taken, job="replica")))
 
 
 def test_one_identity_holds_one_place_in_the_planning_queue() -> None:

@@ -97,6 +97,9 @@ def test_a_job_file_names_the_bad_field_in_one_line() -> None:
     assert job.coordinators == job.stage_peers == ()
     private = JobSpec.from_toml(f"[security]\nstage_peers = ['{A}', '{B}']\n")
     assert private.stage_peers == (A, B)
+    assert (job.replicas, job.replicas_wire) == (1, 1)
+    assert JobSpec.from_toml("[train]\nreplicas = 'auto'\n").replicas_wire == 0  # "auto" on the wire
+    assert JobSpec.from_toml("[train]\nreplicas = 4\n").replicas_wire == 4
     cases = {
         "[train]\nmicro_batch_size = 3\n": "job.toml: [train] micro_batch_size: 3 must divide batch_size 8",
         "[train]\nlr = -1.0\n": "job.toml: [train] lr: must be a number",
@@ -109,6 +112,12 @@ def test_a_job_file_names_the_bad_field_in_one_line() -> None:
         "name = 'a b'\n": "job.toml: name: must be 1-64 letters",
         "[train]\nplan_method = 'random'\n": "job.toml: [train] plan_method: must be one of",
         "[security]\ncoordinators = ['me']\n": "job.toml: [security] coordinators: must be a list of PeerIDs",
+        "[train]\nreplicas = 3\n": "job.toml: [train] replicas: 3 replicas must divide the 4 micro-batches",
+        "[train]\nreplicas = 'many'\n": "job.toml: [train] replicas: must be an integer",
+        "[train]\nreplicas = 2\nplan_method = 'equal-number'\n": (
+            'job.toml: [train] replicas: replicas are planned by "op-fence"'
+        ),
+        "[train]\nrefresh_s = -1\n": "job.toml: [train] refresh_s: must be a number",
     }
     for text, message in cases.items():
         with pytest.raises(ConfigError) as refused:
@@ -176,6 +185,12 @@ def test_a_job_request_speaks_only_for_its_sender() -> None:
     assert (policy.kind, policy.max_ratio) == ("planned", 8.0)
     reply = JobReply("job-1", 3, 2, B, (peer_record(A),), (link,))
     assert JobReply.from_wire(reply.to_wire()) == reply
+    with pytest.raises(RecordError, match="replicas must divide"):
+        dataclasses.replace(request, replicas=3)
+    with pytest.raises(RecordError, match="only op-fence"):
+        dataclasses.replace(request, replicas=2, method="equal-number")
+    auto = dataclasses.replace(request, replicas=0)  # "auto": the coordinator picks
+    assert JobRequest.from_wire(auto.to_wire()).replicas == 0
 
 
 @pytest.mark.parametrize(

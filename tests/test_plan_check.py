@@ -27,10 +27,23 @@ def _stage(k: int, peer: str, ranges: tuple[int, ...], links: dict[str, float]) 
 
 
 PLAN = [_stage(0, B, (0, 3), {"1": 4.0}), _stage(1, C, (3, 5), {})]
+D, E = ("Qm" + c * 44 for c in "ef")
+# the same split as two replicas: replica 0 on B and C, replica 1 on D and E
+REPLICAS = [
+    dataclasses.replace(r, plan_id=f"job-1-r{k}", peer_id=peer, replicas=2, replica=k)
+    for k, peers in enumerate(((B, C), (D, E)))
+    for r, peer in zip(PLAN, peers, strict=True)
+]
 
 
 class _Directory:
-    """The lease and the plan a stage reads from the DHT."""
+    """The lease and the plans a stage reads from the DHT."""
+
+    async def fetch_all_plans(self) -> dict[tuple[str, int, str], list[PlanStageRecord]]:
+        plans: dict[tuple[str, int, str], list[PlanStageRecord]] = {("job-1", EPOCH, COORDINATOR): PLAN}
+        for r in REPLICAS:
+            plans.setdefault((r.plan_id, EPOCH, COORDINATOR), []).append(r)
+        return plans
 
     async def fetch_leases(self) -> list[LeaseRecord]:
         return [LeaseRecord(COORDINATOR, EPOCH, 0.0, get_dht_time() + 10, period_s=10.0)]
@@ -96,3 +109,30 @@ def test_a_setup_that_is_not_the_plan_is_refused(changes: dict, refusal: str) ->
 def test_a_setup_from_someone_but_the_plans_data_owner_is_refused() -> None:
     with pytest.raises(ProtocolError, match="data owner"):
         asyncio.run(check_planned_setup(_Directory(), _setup(), sender=C, me=B, judge=LeaseJudge()))
+
+
+def _replica_setup(replica: int, **changes: object) -> JobSetup:
+    """What the data owner sends the peer of runtime stage 1 in replica ``replica``."""
+    owners = ((B, C), (D, E))[replica]
+    fields: dict[str, object] = {
+        "job": f"job-1-r{replica}",
+        "peers": ((OWNER, ()), (owners[0], ()), (owners[1], ())),
+        "replicas": 2,
+        "replica": replica,
+        "group": "job-1",
+        "averaging_peers": (B, D),
+    }
+    return _setup(**{**fields, **changes})
+
+
+def test_a_replica_averages_only_with_the_peers_the_plan_gives_its_stage() -> None:
+    """A replica's setup is checked against its own replica's plan, and whom it averages
+    with against the other replicas' plans of the same epoch."""
+    _check(_replica_setup(0), me=B)
+    _check(_replica_setup(1), me=D)
+    with pytest.raises(ProtocolError, match="averages with"):
+        _check(_replica_setup(1, averaging_peers=(C, D)), me=D)  # C runs stage 2 in replica 0
+    with pytest.raises(ProtocolError, match="replica 0 of 3, the plan 0 of 2"):
+        _check(_replica_setup(0, replicas=3, averaging_peers=(B, D, E)), me=B)
+    with pytest.raises(ProtocolError, match="not the name of replica 1"):
+        _check(_replica_setup(1, job="job-1-r7"), me=D)

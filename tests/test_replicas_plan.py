@@ -21,6 +21,8 @@ from fusionp2p.planning import (
 )
 from fusionp2p.planning.owner import OwnerFrame, owner_part
 from fusionp2p.planning.replicas import averaging_seconds, plan_replicas, shared_owner
+from fusionp2p.planning.replicated_plan import ReplicatedPlan, plan_replicated_job
+from fusionp2p.records import PlanStageRecord, replica_job
 from fusionp2p.runtime.job_setup import JobOptions
 from fusionp2p.runtime.replicated import replica_options, split_micro_batches
 
@@ -127,3 +129,38 @@ def test_a_replicated_job_splits_its_micro_batches_and_names_its_replicas() -> N
     assert options.max_memory == 500  # this process holds both replicas' copies of its stage
     assert (options.replicas, options.replica) == (2, 1)
     assert options.replica_peers == ((owner, a, b), (owner, c, d))
+
+
+def test_a_replicated_plan_is_published_replica_by_replica_and_read_back_as_planned() -> None:
+    """Each replica's records sit under its own job id and say which replica of how many
+    they are; read back over the same records, the replicas are the ones planned."""
+    dag = offline_dag(
+        OfflineModel(
+            "gpt2", {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256}, seq_len=32, trace=True
+        )
+    )
+    topo = _uniform(9)
+    owner = topo.peer_ids[0]
+    planned = plan_replicated_job(dag, topo, owner, replicas=2, cost=DENSE)
+    assert planned.replicas == 2 and all(p.n_micro_batches == 4 for p in planned.plans)
+    assert not set(planned.plans[0].peer_ids) & set(planned.plans[1].peer_ids) - {owner}
+    records = planned.to_records(
+        job="run-1", epoch=3, made_by=topo.peer_ids[1], made_at=1.0, data_owner=owner
+    )
+    by_job: dict[str, list[PlanStageRecord]] = {}
+    for record in records:
+        by_job.setdefault(record.plan_id, []).append(record)
+    assert (
+        sorted(by_job) == [replica_job("run-1", 0, 2), replica_job("run-1", 1, 2)] == ["run-1-r0", "run-1-r1"]
+    )
+    assert {(r.replicas, r.replica) for r in by_job["run-1-r1"]} == {(2, 1)}
+    read = ReplicatedPlan.from_records([by_job["run-1-r0"], by_job["run-1-r1"]], dag, topo, DENSE, owner)
+    assert [p.peer_ids for p in read.plans] == [p.peer_ids for p in planned.plans]
+    assert read.averaging_s == pytest.approx(planned.averaging_s)
+    assert read.expected_s == pytest.approx(planned.expected_s)
+    with pytest.raises(PlanningError, match="do not say replica 0 of 2"):
+        ReplicatedPlan.from_records([by_job["run-1-r1"], by_job["run-1-r1"]], dag, topo, DENSE, owner)
+    one = plan_replicated_job(dag, topo, owner, replicas=1, cost=DENSE)
+    assert {
+        r.plan_id for r in one.to_records(job="run-1", epoch=3, made_by="", made_at=1.0, data_owner=owner)
+    } == {"run-1"}

@@ -43,8 +43,9 @@ from fusionp2p.planning import (
     vouched_links,
 )
 from fusionp2p.planning.fit import explain_no_fit
+from fusionp2p.planning.replicated_plan import ReplicatedPlan, plan_replicated_job, replicas_request
 from fusionp2p.planning.topology import connected_to
-from fusionp2p.records import COORD_PROTOCOL, LinkRecord, PeerRecord
+from fusionp2p.records import COORD_PROTOCOL, LinkRecord, PeerRecord, PlanStageRecord, in_job
 from fusionp2p.records.coordinator import MAX_UNREAD, JobReply, JobRequest
 
 __all__ = ["Coordinator"]
@@ -182,10 +183,15 @@ class Coordinator:
         """The job a re-plan replaces, if its plan in the DHT names the sender as data owner."""
         if not request.replaces:
             return ""
-        plans = await self.directory.fetch_plans(request.replaces)
-        if not any(r.data_owner == request.owner.peer_id for records in plans.values() for r in records):
+        plans = await self._plans_of(request.replaces)
+        if not any(r.data_owner == request.owner.peer_id for r in plans):
             raise ConfigError(f"job {request.replaces} has no published plan with this data owner")
         return request.replaces
+
+    async def _plans_of(self, job: str) -> list[PlanStageRecord]:
+        """Every published plan record of ``job`` and of its replicas."""
+        plans = await self.directory.fetch_all_plans()
+        return [r for (plan_id, _, _), records in plans.items() if in_job(plan_id, job) for r in records]
 
     async def _candidates(self, request: JobRequest, unread: Unread) -> tuple[_Candidates, ViewState]:
         """The idle peers ``request`` may be planned on: live, measured from the data owner's
@@ -206,7 +212,7 @@ class Coordinator:
             if pid not in excluded
             and pid in reached
             and (not request.only or pid in request.only)
-            and (p.state == "idle" or (reusable and p.job == reusable))
+            and (p.state == "idle" or (reusable and in_job(p.job, reusable)))
         ]
         idle = sorted(idle, key=lambda p: (-p.fp32_flops, p.peer_id))[:MAX_PLAN_PEERS]
         if not idle:
@@ -223,14 +229,15 @@ class Coordinator:
     @staticmethod
     def _plan_over(
         request: JobRequest, dag: OpDag, found: _Candidates, cost: CostConfig
-    ) -> tuple[Plan, list[PeerRecord], list[LinkRecord]]:
-        """The plan (the method the request asks for) over the idle peers, and the records it
-        was made from: the candidates' and every pair between them, measured or inferred
-        from every measured link. It is planned on exactly those records, so the data owner
-        gets the same plan from the reply (``training.verify``).
+    ) -> tuple[Plan | ReplicatedPlan, list[PeerRecord], list[LinkRecord]]:
+        """The plan (the method the request asks for; with replicas, ``plan_replicated_job``)
+        over the idle peers, and the records it was made from: the candidates' and every
+        pair between them, measured or inferred from every measured link. It is planned on
+        exactly those records, so the data owner gets the same plan from the reply
+        (``training.verify``).
 
         Raises:
-            PlanningError: the model fits in no split.
+            PlanningError: the model fits in no split, or the replicas asked for do not fit.
         """
         owner = request.owner.peer_id
         everyone = found.everyone
@@ -242,6 +249,21 @@ class Coordinator:
         links = swarm.subset(ids).link_records(get_dht_time())
         candidates = Topology.from_records(peers, links)
         began = time.perf_counter()
+        if request.replicas != 1:
+            replicated = plan_replicated_job(
+                dag, candidates, owner, replicas=replicas_request(request.replicas), cost=cost
+            )
+            logger.info(
+                "planned %s with %d replica(s) of %d stage(s) on %d peer(s) in %.2f s, %.3f s per step "
+                "(estimate, averaging included)",
+                dag.name,
+                replicated.replicas,
+                len(replicated.plans[0].stages),
+                len(candidates) - 1,
+                time.perf_counter() - began,
+                replicated.expected_s,
+            )
+            return replicated, peers, links
         plan = plan_job(dag, candidates, owner, method=request.method, cost=cost)
         logger.info(
             "planned %s with %s on %d peer(s) in %.2f s: %d stage(s), %.3f s per iteration (estimate)",
@@ -260,8 +282,9 @@ class Coordinator:
             )
         return plan, peers, links
 
-    async def _publish(self, request: JobRequest, plan: Plan) -> int:
-        """Publishes ``plan`` signed and stamped with this peer's epoch; the epoch.
+    async def _publish(self, request: JobRequest, plan: Plan | ReplicatedPlan) -> int:
+        """Publishes ``plan`` (every replica's, each under its own job id) signed and stamped
+        with this peer's epoch; the epoch.
 
         Raises:
             LimitError: the lease ran out while planning (this plan must not count).
@@ -269,30 +292,32 @@ class Coordinator:
         """
         if not self.keeper.holds():
             raise LimitError(self._not_coordinator())
-        epoch = self.keeper.epoch
-        records = plan.to_records(
-            plan_id=request.job,
-            epoch=epoch,
-            made_by=self.transport.peer_id,
-            made_at=get_dht_time(),
-            data_owner=request.owner.peer_id,
-        )
+        epoch, me = self.keeper.epoch, self.transport.peer_id
+        made_at, owner = get_dht_time(), request.owner.peer_id
+        if isinstance(plan, ReplicatedPlan):
+            records = plan.to_records(
+                job=request.job, epoch=epoch, made_by=me, made_at=made_at, data_owner=owner
+            )
+        else:
+            records = plan.to_records(
+                plan_id=request.job, epoch=epoch, made_by=me, made_at=made_at, data_owner=owner
+            )
         await self.directory.publish_plan(records, get_dht_time() + PLAN_TTL)
-        held = await self.directory.fetch_plans(request.job)
-        if len(held.get((epoch, self.transport.peer_id), [])) != len(records):
+        held = await self.directory.fetch_all_plans()
+        kept = sum(len(held.get((job, epoch, me), [])) for job in {r.plan_id for r in records})
+        if kept != len(records):
             raise PlanningError(
                 f"the DHT did not keep job {request.job}'s plan (epoch {epoch}); submit again"
             )
         return epoch
 
     async def _check_job_id(self, request: JobRequest) -> None:
-        """A job id belongs to the data owner it was first planned for.
+        """A job id, and its replicas' ids, belong to the data owner it was first planned for.
 
         Raises:
-            ConfigError: a plan of this id names another data owner.
+            ConfigError: a plan of this id or of its replicas names another data owner.
         """
-        plans = await self.directory.fetch_plans(request.job)
-        owners = {r.data_owner for records in plans.values() for r in records}
+        owners = {r.data_owner for r in await self._plans_of(request.job)}
         if owners - {request.owner.peer_id}:
             raise ConfigError(f"job id {request.job} belongs to another data owner; submit under another id")
 
@@ -308,15 +333,18 @@ class Coordinator:
         )
         plan, peers, links = await asyncio.to_thread(self._plan_over, request, dag, found, cost)
         epoch = await self._publish(request, plan)
+        replicas = plan.plans if isinstance(plan, ReplicatedPlan) else (plan,)
         logger.info(
-            "planned job %s%s for %s (epoch %d): %d stage(s) on %d idle peer(s), %.3f s per iteration%s",
+            "planned job %s%s for %s (epoch %d): %d replica(s) of %d stage(s) on %d idle peer(s), "
+            "%.3f s per step%s",
             request.job,
             f" (re-plan of {request.replaces}, without {len(request.exclude)} peer(s))"
             if request.replaces
             else "",
             owner[-8:],
             epoch,
-            len(plan.stages),
+            len(replicas),
+            len(replicas[0].stages),
             len(found.idle),
             plan.expected_s,
             f", without {len(unread.keys)} unreadable directory key(s)" if unread.keys else "",
@@ -335,9 +363,10 @@ class Coordinator:
         return JobReply(
             job=request.job,
             epoch=epoch,
-            n_stages=len(plan.stages),
+            n_stages=len(replicas[0].stages),
             coordinator=self.transport.peer_id,
             peers=tuple(peers),
             links=tuple(links),
             unread=tuple(unread.keys[:MAX_UNREAD]),
+            replicas=len(replicas),
         )

@@ -7,18 +7,22 @@ complete plan of that epoch for this job (the DHT's validators already tie each 
 its signer); the plan's data owner is the peer that sent the setup; the plan splits the
 same OP-DAG for the same micro-batch count; and the setup is the plan as a runtime runs
 it (``planning.plan_layout``): the same peers in the same order, every OP-DAG position on
-the same stage, this stage's Top-K ratios and its micro-batches in flight. A plan from an
+the same stage, this stage's Top-K ratios and its micro-batches in flight. A stage of a
+replicated job checks its replica's plan so, and that every peer it is to average its
+gradients with runs the same stage in its own replica's plan of the same epoch. A plan from an
 older epoch, or signed by anyone else, counts for nothing.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from fusionp2p.coordination.election import LeaseJudge, read_lease
 from fusionp2p.errors import ProtocolError
 from fusionp2p.net.directory import SwarmDirectory
 from fusionp2p.planning import RuntimeLayout
 from fusionp2p.planning.plan import plan_layout
-from fusionp2p.records import JobSetup, PlanStageRecord, expand_ranges
+from fusionp2p.records import JobSetup, PlanStageRecord, expand_ranges, replica_job
 
 __all__ = ["check_planned_setup", "published_layout"]
 
@@ -61,7 +65,10 @@ async def check_planned_setup(
         raise ProtocolError(
             f"job {job}: the setup follows a plan of epoch {setup.epoch}, the coordinator's is {lease.epoch}"
         )
-    records = (await directory.fetch_plans(job)).get((lease.epoch, lease.holder), [])
+    if setup.replicas > 1 and job != replica_job(setup.group, setup.replica, setup.replicas):
+        raise ProtocolError(f"job {job}: not the name of replica {setup.replica} of job {setup.group}")
+    plans = await directory.fetch_all_plans()
+    records = plans.get((job, lease.epoch, lease.holder), [])
     if not records or len(records) != records[0].n_stages:
         raise ProtocolError(
             f"job {job}: the coordinator {lease.holder[-8:]} published no complete plan "
@@ -72,6 +79,11 @@ async def check_planned_setup(
         raise ProtocolError(f"job {job}: the plan's data owner is {first.data_owner[-8:]}, not the sender")
     if first.dag != setup.fingerprint or first.n_micro_batches != setup.n_micro_batches:
         raise ProtocolError(f"job {job}: the setup's model or micro-batches differ from the plan's")
+    if (first.replicas, first.replica) != (setup.replicas, setup.replica):
+        raise ProtocolError(
+            f"job {job}: the setup is replica {setup.replica} of {setup.replicas}, the plan "
+            f"{first.replica} of {first.replicas}"
+        )
     layout = published_layout(records, sender)
     if tuple(peer for peer, _ in setup.peers) != layout.peers or setup.peer_of(setup.stage) != me:
         raise ProtocolError(f"job {job}: the setup's stage owners are not the plan's")
@@ -88,3 +100,26 @@ async def check_planned_setup(
             f"job {job}: the setup holds {setup.in_flight} micro-batches in flight, the plan "
             f"{layout.in_flight[setup.stage]}"
         )
+    if setup.replicas > 1:
+        _check_averaging_group(setup, plans, lease.epoch, lease.holder, sender)
+
+
+def _check_averaging_group(
+    setup: JobSetup,
+    plans: Mapping[tuple[str, int, str], list[PlanStageRecord]],
+    epoch: int,
+    holder: str,
+    sender: str,
+) -> None:
+    """Refuses a replicated setup unless each peer it would average with runs this stage in
+    that replica's plan, signed in the same epoch for the same data owner."""
+    for k, peer in enumerate(setup.averaging_peers):
+        other = plans.get((replica_job(setup.group, k, setup.replicas), epoch, holder), [])
+        if not other or len(other) != other[0].n_stages or other[0].data_owner != sender:
+            raise ProtocolError(f"job {setup.group}: replica {k} has no complete plan of epoch {epoch}")
+        peers = published_layout(other, sender).peers
+        if setup.stage >= len(peers) or peers[setup.stage] != peer:
+            raise ProtocolError(
+                f"job {setup.job}: the setup averages with {peer[-8:]} for replica {k}, the plan runs "
+                "this stage elsewhere there"
+            )

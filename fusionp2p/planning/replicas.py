@@ -56,8 +56,10 @@ class ReplicaPlan:
 
     @property
     def step_s(self) -> float:
-        """The slowest replica's iteration plus the slowest stage's averaging."""
-        return max(e.iteration_s for e in self.estimates) + max(self.averaging_s, default=0.0)
+        """The slowest replica's iteration (its 1F1B schedule played out: replicas of
+        different R run different micro-batch counts, and only the schedule counts their
+        pipelines' fill and drain) plus the slowest stage's averaging."""
+        return max(e.expected_s for e in self.estimates) + max(self.averaging_s, default=0.0)
 
     @property
     def micro_batches_per_s(self) -> float:

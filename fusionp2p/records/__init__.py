@@ -3,6 +3,7 @@
 - ``wire.py``: the shared form (a msgpack map, never pickle), its one validator, the
   version rule (the major version changes only for a breaking change) and size limits.
 - ``limits.py``: limits every reader enforces (micro-batches, stages, positions, Top-K ratio).
+- ``job_ids.py``: the job ids a replicated job's replicas are planned and set up under.
 - ``protocols.py``: the stream protocols' ids, ``/fusionp2p/<name>/<major>``.
 - ``swarm.py``: what peers publish to the DHT: PeerRecord, LinkRecord, LinkSetRecord,
   LeaseRecord, RunStatusRecord, PlanStageRecord.
@@ -38,6 +39,7 @@ from fusionp2p.records.exec import (
     pack_message,
     split_message,
 )
+from fusionp2p.records.job_ids import in_job, replica_job
 from fusionp2p.records.limits import (
     MAX_EPOCH,
     MAX_MICRO_BATCHES,
@@ -145,9 +147,11 @@ __all__ = [
     "decode_exec_header",
     "decode_record",
     "expand_ranges",
+    "in_job",
     "message_prefix",
     "node_ranges",
     "pack_message",
+    "replica_job",
     "split_message",
     "unpack_body",
 ]

@@ -25,7 +25,7 @@ from typing import Annotated, ClassVar
 
 from fusionp2p.config import NAME_RE, PEER_ID_RE
 from fusionp2p.errors import RecordError
-from fusionp2p.records.limits import MAX_MICRO_BATCHES, MAX_STAGES, MAX_TOPK_RATIO
+from fusionp2p.records.limits import MAX_MICRO_BATCHES, MAX_REPLICAS, MAX_STAGES, MAX_TOPK_RATIO
 from fusionp2p.records.model import ModelSpec
 from fusionp2p.records.swarm import LinkRecord, PeerRecord
 from fusionp2p.records.wire import Limit, Range, WireRecord
@@ -76,6 +76,9 @@ class JobRequest(WireRecord):
     exclude: Annotated[tuple[str, ...], Limit(MAX_EXCLUDED)] = ()  # peers not to plan on (lost or stopped)
     speeds: Annotated[tuple[tuple[str, float], ...], Limit(MAX_EXCLUDED)] = ()  # (peer, factor on its speed)
     only: Annotated[tuple[str, ...], Limit(MAX_EXCLUDED)] = ()  # the only peers to plan on; () = any
+    # data-parallel replicas of the pipeline (planning.replicas): a number that divides
+    # n_micro_batches, or 0 for "auto" (the coordinator picks the most samples per second)
+    replicas: Annotated[int, Range(0, MAX_REPLICAS)] = 1
 
     def __post_init__(self) -> None:
         if not NAME_RE.match(self.job):
@@ -88,6 +91,13 @@ class JobRequest(WireRecord):
             )
         if self.method not in PLAN_METHODS:
             raise RecordError(f"job request method must be one of {PLAN_METHODS}, got {self.method!r:.40}")
+        if self.replicas != 1 and self.method != "op-fence":
+            raise RecordError(f"job request asks for replicas planned by {self.method!r:.40}: only op-fence")
+        if self.replicas and self.n_micro_batches % self.replicas:
+            raise RecordError(
+                f"job request asks for {self.replicas} replicas of {self.n_micro_batches} micro-batches: "
+                "the replicas must divide them"
+            )
         if not all(PEER_ID_RE.match(p) for p in (*self.exclude, *self.only, *(p for p, _ in self.speeds))):
             raise RecordError("job request exclude, only or speeds holds a value that is not a PeerID")
         for item in self.speeds:
@@ -119,3 +129,5 @@ class JobReply(WireRecord):
     links: Annotated[tuple[LinkRecord, ...], Limit(MAX_REPLY_RECORDS)]
     # directory keys the coordinator could not read: it planned without them
     unread: Annotated[tuple[Annotated[str, Limit(128)], ...], Limit(MAX_UNREAD)] = ()
+    # the plan's replicas: each is published under ``replica_job(job, replica, replicas)``
+    replicas: Annotated[int, Range(1, MAX_REPLICAS)] = 1

@@ -9,7 +9,7 @@ from typing import Annotated, ClassVar
 
 from fusionp2p.config import SITE_PATTERN
 from fusionp2p.errors import RecordError
-from fusionp2p.records.limits import MAX_EPOCH
+from fusionp2p.records.limits import MAX_EPOCH, MAX_REPLICAS
 from fusionp2p.records.node_ranges import check_ranges
 from fusionp2p.records.wire import Range, WireRecord
 
@@ -258,10 +258,18 @@ class RunStatusRecord(WireRecord):
     replans: int
     events: tuple[str, ...]  # the newest RUN_EVENTS events, "<kind>: <message>", oldest first
     updated_at: float  # DHT time
+    replicas: int = 1  # data-parallel replicas running the plan in force
+    samples_per_s: float = 0.0  # in the last step
+    averaging_s: float = 0.0  # in the last step: the longest a stage spent averaging with its replicas
 
     def __post_init__(self) -> None:
         if not 0 <= self.step <= self.steps or min(self.plan_version, self.epoch, self.replans) < 0:
             raise RecordError(f"RunStatusRecord counters out of range (step {self.step} of {self.steps})")
+        if not 1 <= self.replicas <= MAX_REPLICAS or min(self.samples_per_s, self.averaging_s) < 0:
+            raise RecordError(
+                f"RunStatusRecord replicas {self.replicas} (1-{MAX_REPLICAS}), samples/s and averaging "
+                "seconds (>= 0) out of range"
+            )
         if len(self.events) > RUN_EVENTS or any(len(e) > RUN_EVENT_CHARS for e in self.events):
             raise RecordError(f"RunStatusRecord holds at most {RUN_EVENTS} events of {RUN_EVENT_CHARS} chars")
 
@@ -286,10 +294,21 @@ class PlanStageRecord(WireRecord):
     made_by: str  # PeerID of the coordinator
     made_at: float  # DHT time
     data_owner: str = ""  # PeerID of the job's data owner: the only peer that may set the plan up
+    # data parallelism: this plan is replica ``replica`` of ``replicas`` of one job (each
+    # replica's plan is published under ``replica_job(job, replica, replicas)``), and this
+    # stage's gradients take ``averaging_s`` to average with the other replicas' (estimate)
+    replicas: int = 1
+    replica: int = 0
+    averaging_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage < self.n_stages:
             raise RecordError(f"PlanStageRecord.stage {self.stage} not in [0, {self.n_stages})")
+        if not 0 <= self.replica < self.replicas <= MAX_REPLICAS or not 0 <= self.averaging_s < 1e9:
+            raise RecordError(
+                f"PlanStageRecord replica {self.replica} of {self.replicas} (at most {MAX_REPLICAS}), "
+                f"averaging {self.averaging_s!r:.20} s"
+            )
         check_ranges(self.node_ranges, "PlanStageRecord.node_ranges")
         if any(r < 1 for r in self.links_to.values()) or self.n_micro_batches < 1:
             raise RecordError("PlanStageRecord ratios and n_micro_batches must be >= 1")

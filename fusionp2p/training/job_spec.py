@@ -17,7 +17,14 @@ from typing import Any
 from fusionp2p.config import NAME_RE, PEER_ID_RE, OptimizerConfig, parse_bytes
 from fusionp2p.errors import ConfigError
 from fusionp2p.planning.cost import PLANNED_MAX_RATIO
-from fusionp2p.records import COMPRESSIONS, MAX_MICRO_BATCHES, MAX_TOPK_RATIO, PLAN_METHODS, ModelSpec
+from fusionp2p.records import (
+    COMPRESSIONS,
+    MAX_MICRO_BATCHES,
+    MAX_REPLICAS,
+    MAX_TOPK_RATIO,
+    PLAN_METHODS,
+    ModelSpec,
+)
 from fusionp2p.training.batches import TrainingData
 from fusionp2p.training.data import DATA_KINDS, load_data
 from fusionp2p.training.supervision import StepClock
@@ -69,6 +76,10 @@ ratio_warmup_steps = 100       # with compression: the Top-K ratios grow from 1 
 max_ratio = 20.0               # "planned"/"uniform": no link is compressed harder than this (Top-K ratio)
 plan_method = "op-fence"       # or a baseline, "equal-number" or "equal-computation" (with this
                                # compression), or one with its own: "equal-computation/none", ...
+replicas = 1                   # data-parallel pipelines, their gradients averaged each step: a number
+                               # that divides batch_size / micro_batch_size, or "auto" (op-fence only)
+refresh_s = 30                 # with replicas: how often idle peers are looked for, to refill a
+                               # dropped replica or (with "auto") to add one when it pays
 checkpoint_every = 0           # steps between checkpoints; 0: chosen to cost <= 10% of the steps
 max_memory = ""                # the most this machine's own stage may need, e.g. "4GiB";
                                # "": 80% of its free memory (its part of the model, not all of it)
@@ -118,6 +129,8 @@ _TOML_FIELDS: dict[tuple[str, str], str] = {
     ("train", "ratio_warmup_steps"): "ratio_warmup_steps",
     ("train", "max_ratio"): "max_ratio",
     ("train", "plan_method"): "plan_method",
+    ("train", "replicas"): "replicas",
+    ("train", "refresh_s"): "refresh_s",
     ("train", "checkpoint_every"): "checkpoint_every",
     ("train", "max_memory"): "max_memory",
     ("train", "min_peers"): "min_peers",
@@ -203,6 +216,8 @@ class JobSpec:
     ratio_warmup_steps: int = 100  # Top-K ratios grow from dense to the plan's over these (convergence.py)
     max_ratio: float = PLANNED_MAX_RATIO  # "planned": the hardest Top-K ratio on any link
     plan_method: str = "op-fence"
+    replicas: int | str = 1  # data-parallel pipelines: a number that divides the micro-batches, or "auto"
+    refresh_s: float = 30.0  # a replicated run looks for idle peers (to refill or add replicas) this often
     checkpoint_every: int = 0  # 0: automatic, so that checkpoints cost <= 10% of the step time
     max_memory: str = ""  # the data owner's own stage may need at most this ("4GiB"); "": 80% of free
     min_peers: int = 1
@@ -261,6 +276,8 @@ class JobSpec:
             raise ConfigError(
                 f"[train] plan_method: must be one of {list(PLAN_METHODS)}, got {self.plan_method!r:.40}"
             )
+        self._check_replicas()
+        _check_float("refresh_s", self.refresh_s, 0.0, 86400.0)
         _check_int("checkpoint_every", self.checkpoint_every, 0, _MAX_STEPS)
         if not isinstance(self.max_memory, str) or (
             self.max_memory and (self.max_memory_bytes or 0) < 1 << 20
@@ -296,6 +313,25 @@ class JobSpec:
             OptimizerConfig(name=self.optimizer, lr=self.lr, weight_decay=self.weight_decay)
         except ConfigError as e:
             raise ConfigError(f"[train] optimizer: {e}") from e
+
+    def _check_replicas(self) -> None:
+        if self.replicas != "auto":
+            _check_int("replicas", self.replicas, 1, MAX_REPLICAS)
+            assert isinstance(self.replicas, int)
+            if self.n_micro_batches % self.replicas:
+                raise ConfigError(
+                    f"[train] replicas: {self.replicas} replicas must divide the {self.n_micro_batches} "
+                    "micro-batches (batch_size / micro_batch_size) of a step"
+                )
+        if self.replicas != 1 and self.plan_method != "op-fence":
+            raise ConfigError(
+                f'[train] replicas: replicas are planned by "op-fence", not {self.plan_method!r}'
+            )
+
+    @property
+    def replicas_wire(self) -> int:
+        """``replicas`` as a job request carries it: 0 for "auto"."""
+        return 0 if self.replicas == "auto" else int(self.replicas)
 
     @property
     def max_memory_bytes(self) -> int | None:

@@ -25,10 +25,11 @@ from fusionp2p.net.transport import Transport
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.trace import TracedModel, trace_spec
 from fusionp2p.planning import CostConfig, Plan, Topology, compression_policy
-from fusionp2p.records import COORD_PROTOCOL, JobReply, JobRequest, LeaseRecord, PeerRecord
+from fusionp2p.planning.replicated_plan import ReplicatedPlan
+from fusionp2p.records import COORD_PROTOCOL, JobReply, JobRequest, LeaseRecord, PeerRecord, replica_job
 from fusionp2p.training.job_spec import JobSpec
 from fusionp2p.training.owner_records import probe_from, self_record
-from fusionp2p.training.verify import PlanRefused, check_reply_records, verified_plan
+from fusionp2p.training.verify import PlanRefused, check_reply_records, verified_plan, verified_replicas
 
 __all__ = ["SubmittedJob", "new_run_id", "plan_job_id", "submit_job", "wait_for_peers"]
 
@@ -48,6 +49,17 @@ class SubmittedJob:
     traced: TracedModel  # the fake trace the plan was checked against
     data_owner: str  # this process's PeerID: the plan's data owner
     cost: CostConfig  # what the plan's estimate assumed
+    replicated: ReplicatedPlan | None = None  # a job with replicas: every replica (``plan`` is replica 0)
+
+    @property
+    def replicas(self) -> tuple[Plan, ...]:
+        """Every replica's plan (one without replicas)."""
+        return self.replicated.plans if self.replicated is not None else (self.plan,)
+
+    @property
+    def expected_s(self) -> float:
+        """What a step is expected to take (with replicas: the slowest replica's and averaging)."""
+        return self.replicated.expected_s if self.replicated is not None else self.plan.expected_s
 
     @property
     def epoch(self) -> int:
@@ -60,7 +72,8 @@ class SubmittedJob:
             "epoch": self.epoch,
             "coordinator": self.reply.coordinator,
             "method": plan.method,
-            "estimate_s": plan.expected_s,
+            "estimate_s": self.expected_s,
+            "replicas": len(self.replicas),
             "stage_compute_estimate_s": [  # what a stage reports: its compute and its Top-K coding
                 round((c + k) * plan.n_micro_batches, 4)
                 for c, k in zip(plan.estimate.compute_s, plan.estimate.codec_s, strict=True)
@@ -231,6 +244,7 @@ class _Attempt:
             speeds=speeds,
             max_ratio=job.max_ratio,
             only=job.stage_peers,
+            replicas=job.replicas_wire,
         )
         reply = await _ask(transport, lease, request, self.timeout)
         if reply.unread:
@@ -244,8 +258,10 @@ class _Attempt:
         now_lease = await read_lease(directory, self.judge)
         if now_lease is None or (now_lease.epoch, now_lease.holder) != (reply.epoch, reply.coordinator):
             raise CoordinatorError(f"the coordinator changed while planning job {job.name}; submit it again")
-        records = (await directory.fetch_plans(self.run_id)).get((reply.epoch, reply.coordinator))
-        if not records:
+        published = await directory.fetch_all_plans()
+        ids = [replica_job(self.run_id, k, reply.replicas) for k in range(reply.replicas)]
+        replicas = [published.get((i, reply.epoch, reply.coordinator), []) for i in ids]
+        if not all(replicas):
             raise CoordinatorError(f"job {self.run_id}'s plan (epoch {reply.epoch}) is not in the DHT")
         cited = [p.peer_id for p in reply.peers if p.peer_id != transport.peer_id]
         check_reply_records(
@@ -257,8 +273,17 @@ class _Attempt:
         )
         policy = compression_policy(job.compression, job.max_ratio)
         cost = CostConfig(n_micro_batches=job.n_micro_batches, compression=policy)
-        plan, topo = await asyncio.to_thread(verified_plan, records, self.traced.dag, reply, request, cost)
-        return SubmittedJob(self.run_id, plan, reply, topo, self.traced, transport.peer_id, cost)
+        dag = self.traced.dag
+        if request.replicas == 1:
+            if reply.replicas != 1:
+                raise PlanRefused(
+                    f"the coordinator {reply.coordinator[-8:]} planned replicas nobody asked for"
+                )
+            plan, topo = await asyncio.to_thread(verified_plan, replicas[0], dag, reply, request, cost)
+            return SubmittedJob(self.run_id, plan, reply, topo, self.traced, transport.peer_id, cost)
+        replicated, topo = await asyncio.to_thread(verified_replicas, replicas, dag, reply, request, cost)
+        plan = replicated.plans[0]
+        return SubmittedJob(self.run_id, plan, reply, topo, self.traced, transport.peer_id, cost, replicated)
 
 
 async def _ask(transport: Transport, lease: LeaseRecord, request: JobRequest, timeout: float) -> JobReply:

@@ -25,9 +25,17 @@ from collections.abc import Mapping, Sequence
 from fusionp2p.errors import CoordinatorError
 from fusionp2p.opdag.ir import OpDag
 from fusionp2p.planning import CostConfig, Plan, PlanningError, Topology, plan_job, vouched_links
+from fusionp2p.planning.replicated_plan import ReplicatedPlan, plan_replicated_job, replicas_request
 from fusionp2p.records import JobReply, JobRequest, LinkRecord, PeerRecord, PlanStageRecord
 
-__all__ = ["LINK_SLACK", "MEMORY_SLACK", "PlanRefused", "check_reply_records", "verified_plan"]
+__all__ = [
+    "LINK_SLACK",
+    "MEMORY_SLACK",
+    "PlanRefused",
+    "check_reply_records",
+    "verified_plan",
+    "verified_replicas",
+]
 
 MEMORY_SLACK = 2.0  # a cited peer's free memory may differ this much (either way) from the DHT's now
 LINK_SLACK = 8.0  # a cited link may differ this much from its signed record: probes vary (2.4x seen on
@@ -116,6 +124,15 @@ def check_reply_records(
             )
 
 
+def _same(published: Plan, mine: Plan) -> bool:
+    return (
+        published.peer_ids == mine.peer_ids
+        and [s.nodes for s in published.stages] == [s.nodes for s in mine.stages]
+        and published.ratios.keys() == mine.ratios.keys()
+        and all(math.isclose(published.ratios[k], mine.ratios[k], rel_tol=1e-9) for k in mine.ratios)
+    )
+
+
 def verified_plan(
     records: Sequence[PlanStageRecord], dag: OpDag, reply: JobReply, request: JobRequest, cost: CostConfig
 ) -> tuple[Plan, Topology]:
@@ -132,16 +149,43 @@ def verified_plan(
         mine = plan_job(dag, topo, owner, method=request.method, cost=cost)
     except PlanningError as e:
         raise _refuse(by, f"its plan cannot be checked: {e}") from e
-    same = (
-        published.peer_ids == mine.peer_ids
-        and [s.nodes for s in published.stages] == [s.nodes for s in mine.stages]
-        and published.ratios.keys() == mine.ratios.keys()
-        and all(math.isclose(published.ratios[k], mine.ratios[k], rel_tol=1e-9) for k in mine.ratios)
-    )
-    if not same:
+    if not _same(published, mine):
         raise _refuse(
             by,
             f"{request.method} makes another plan of the records it cites (stages on "
             f"{[p[-8:] for p in mine.peer_ids]}, it published {[p[-8:] for p in published.peer_ids]})",
+        )
+    return published, topo
+
+
+def verified_replicas(
+    replicas: Sequence[Sequence[PlanStageRecord]],
+    dag: OpDag,
+    reply: JobReply,
+    request: JobRequest,
+    cost: CostConfig,
+) -> tuple[ReplicatedPlan, Topology]:
+    """The published replicas (replica k's records at ``replicas[k]``), if they are what
+    ``plan_replicated_job`` makes of the records the reply cites for the replicas the
+    request asked for; the plan and the topology it runs in.
+
+    Raises:
+        PlanRefused: the published replicas are others, fewer or more, or incomplete.
+    """
+    owner, by = request.owner.peer_id, reply.coordinator
+    try:
+        topo = Topology.from_records(reply.peers, reply.links)
+        published = ReplicatedPlan.from_records(replicas, dag, topo, cost, owner, method="op-fence")
+        mine = plan_replicated_job(dag, topo, owner, replicas=replicas_request(request.replicas), cost=cost)
+    except PlanningError as e:
+        raise _refuse(by, f"its plan cannot be checked: {e}") from e
+    if mine.replicas != published.replicas or not all(
+        _same(a, b) for a, b in zip(published.plans, mine.plans, strict=True)
+    ):
+        raise _refuse(
+            by,
+            f"op-fence makes other replicas of the records it cites ({mine.replicas} on "
+            f"{[[p[-8:] for p in plan.peer_ids] for plan in mine.plans]}, it published "
+            f"{published.replicas} on {[[p[-8:] for p in plan.peer_ids] for plan in published.plans]})",
         )
     return published, topo
