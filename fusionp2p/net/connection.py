@@ -10,6 +10,7 @@ Sync callers get a background thread that runs the loop; async callers use their
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import tempfile
@@ -123,6 +124,14 @@ class SwarmConnection:
         Raises:
             SwarmError: the connection is closed.
         """
+        return self.spawn(coro).result()
+
+    def spawn(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Starts ``coro`` on this connection's event loop and returns at once: its future.
+
+        Raises:
+            SwarmError: the connection is closed.
+        """
         if self._closed:
             coro.close()
             raise SwarmError("this Swarm is closed")
@@ -134,7 +143,7 @@ class SwarmConnection:
                 target=self._loop.run_forever, name="fusionp2p-swarm", daemon=True
             )
             self._thread.start()
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def __enter__(self) -> Self:
         return self

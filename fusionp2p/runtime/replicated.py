@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 
@@ -27,10 +27,12 @@ from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.split import Partition
 from fusionp2p.opdag.trace import TracedModel
 from fusionp2p.planning import RuntimeLayout
-from fusionp2p.records import MAX_REPLICAS, JobSetup, ModelSpec, ShardReport
+from fusionp2p.records import MAX_REPLICAS, JobSetup, ModelSpec, ShardReport, replica_job
 from fusionp2p.runtime.averaging import Fingerprint, fingerprint_distance, fingerprints_agree
 from fusionp2p.runtime.driver import PipelineDriver, owner_service
 from fusionp2p.runtime.job_setup import JobOptions
+from fusionp2p.runtime.pretrained import PretrainedWeights
+from fusionp2p.runtime.restore import Restore
 from fusionp2p.runtime.service import ExecutorService
 
 __all__ = ["ReplicatedDriver", "replica_options", "split_micro_batches"]
@@ -62,7 +64,7 @@ def replica_options(options: JobOptions, layouts: Sequence[RuntimeLayout], repli
     allowance = options.max_memory // len(layouts) if options.max_memory is not None else None
     return dataclasses.replace(
         options,
-        job=f"{options.job}-r{replica}",
+        job=replica_job(options.job, replica, len(layouts)),
         n_micro_batches=len(runs[replica]),
         max_memory=allowance,
         replicas=len(layouts),
@@ -83,7 +85,8 @@ class ReplicatedDriver:
         self.averaging_s = 0.0  # seconds this process spent averaging its own copies, last step
         self.per_replica = options.n_micro_batches // len(replicas)  # micro-batches each replica runs
         self.generation = 0  # of the stages' averaging groups: one more per lost replica
-        self.lost: list[str] = []  # stage owners whose replicas were dropped
+        self.planned = len(replicas)  # replicas set up; ``replicas`` holds those left
+        self.lost: list[str] = []  # stage owners of dropped replicas that did not answer a ping
 
     @property
     def job(self) -> str:
@@ -141,9 +144,14 @@ class ReplicatedDriver:
         *,
         addresses: Mapping[str, Sequence[str]] | None = None,
         registry: ModelRegistry | None = None,
+        initial_state: Mapping[str, torch.Tensor] | None = None,
+        pretrained: PretrainedWeights | None = None,
+        restore: Restore | None = None,
+        exclude: Collection[str] = (),
     ) -> ReplicatedDriver:
         """Sets up one pipeline per layout (each with this process as its data stage and
-        its own stage peers), every stage from the spec's seed.
+        its own stage peers), every replica's stages from the same tensors: the spec's seed,
+        ``initial_state``, ``pretrained`` or ``restore`` (``PipelineDriver.create``).
 
         Raises:
             ConfigError: fewer than 2 layouts, layouts of different shapes, a peer in two
@@ -171,6 +179,10 @@ class ReplicatedDriver:
                         replica_options(options, layouts, k),
                         addresses=addresses,
                         registry=registry,
+                        initial_state=initial_state,
+                        pretrained=pretrained,
+                        restore=restore,
+                        exclude=exclude,
                         service=service,
                     )
                 )
@@ -222,7 +234,8 @@ class ReplicatedDriver:
             )
         lost = [d for k, d in enumerate(self.replicas) if k in failed]
         self.replicas = [d for k, d in enumerate(self.replicas) if k not in failed]
-        self.lost += [peer for d in lost for peer in d.stage_owners]
+        silent = await asyncio.gather(*(d.unresponsive() for d in lost))
+        self.lost += [peer for peers in silent for peer in peers]
         await asyncio.gather(*(self._end(d) for d in lost))
         self.generation += 1
         data_stage = self.partition.data_stage

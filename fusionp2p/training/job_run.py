@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from hivemind.utils import get_dht_time
@@ -53,6 +54,7 @@ logger = logging.getLogger(__name__)
 REPLAN_PATIENCE_S = 180.0  # how long a re-plan is retried (a coordinator may have to be elected)
 REPLAN_RETRY_S = 2.0  # between two tries of a re-plan
 REPORT_PERIOD_S = 5.0  # how often the run's progress goes to the DHT
+MAX_AVERAGING_S = 3600.0  # the longest averaging deadline a setup carries (JobSetup.averaging_s)
 REPORT_TTL_S = 300.0  # a report outlives a dead data owner this long
 SHARD_DIR = "shards"  # under the run directory: the data owner's own stage's shards
 
@@ -100,6 +102,7 @@ class JobRun:
         self.clock = job.step_clock(0.0)
         self._batches: Iterator[Batch] = iter(())
         self.loss = 0.0
+        self.samples_per_s = 0.0  # in the last step
         self._reported = 0.0
         self.secret = run_secret(run_dir)  # names the run's checkpoint shards on their holders
         # the weights a run without a checkpoint starts from (each stage gets only its own)
@@ -113,8 +116,9 @@ class JobRun:
 
     @property
     def stage_peers(self) -> list[str]:
-        """Owners of the runtime stages 1.. (stage 0 is this process)."""
-        return [p.peer_id for p in self.pipeline.peers] if self.pipeline is not None else []
+        """Owners of the runtime stages 1.. (stage 0 is this process; with replicas, those
+        of the first replica left)."""
+        return self.pipeline.stage_owners if self.pipeline is not None else []
 
     def start(self, checkpoint: Checkpoint | None = None) -> SubmittedJob:
         """Plans the job and sets it up, from ``checkpoint`` if given (a resumed run)."""
@@ -125,27 +129,52 @@ class JobRun:
         assert self.submitted is not None
         return self.submitted
 
-    async def _submit(self, replaces: str, speeds: tuple[tuple[str, float], ...]) -> SubmittedJob:
-        return await submit_job(
-            await self.connection.transport(),
-            self.connection.directory,
-            self.job,
-            registry=self.registry,
-            run_id=self.wire_id,
-            replaces=replaces,
-            exclude=tuple(self.lost),
-            speeds=speeds,
-            site=self.connection.site,
+    def plan_next(self, speeds: tuple[tuple[str, float], ...] = ()) -> Coroutine[Any, Any, SubmittedJob]:
+        """Asks the coordinator for the plan of this run's next version (replacing the plan
+        in force, without the lost peers, speeds scaled by ``speeds``): await it on this
+        run's connection (it is not set up: ``set_up``).
+
+        Raises (when awaited):
+            CoordinatorError / SwarmError / PlanningError: no plan (see ``submit_job``).
+        """
+        self.version += 1
+        connection, run_id, replaces, exclude = (
+            self.connection,
+            self.wire_id,
+            self.running_id,
+            tuple(self.lost),
         )
 
+        async def submit() -> SubmittedJob:
+            return await submit_job(
+                await connection.transport(),
+                connection.directory,
+                self.job,
+                registry=self.registry,
+                run_id=run_id,
+                replaces=replaces,
+                exclude=exclude,
+                speeds=speeds,
+                site=connection.site,
+            )
+
+        return submit()
+
     def _plan_and_setup(self, state: Restore | None, speeds: tuple[tuple[str, float], ...] = ()) -> None:
-        replaces = self.running_id
-        self.version += 1
-        submitted = self.connection.call(self._submit(replaces, speeds))
+        self.set_up(self.connection.call(self.plan_next(speeds)), state)
+
+    def set_up(self, submitted: SubmittedJob, state: Restore | None) -> None:
+        """Sets ``submitted``'s plan up (every replica of it) from ``state`` (a checkpoint),
+        else from the job's pretrained weights or seed; the plan in force from now on.
+
+        Raises:
+            FusionP2PError: a stage refused its setup or is unreachable (torn down again).
+        """
         plan = submitted.plan
+        averaging = submitted.replicated.averaging_s if submitted.replicated is not None else ()
         options = JobOptions(
             job=submitted.run_id,
-            n_micro_batches=plan.n_micro_batches,
+            n_micro_batches=len(submitted.replicas) * plan.n_micro_batches,
             optimizer=self.job.optimizer_config,
             loss=self.job.loss,
             epoch=submitted.epoch,
@@ -154,6 +183,10 @@ class JobRun:
             run=self.run_id,
             shard_secret=self.secret,
             shard_dir=str(self.run_dir / SHARD_DIR),
+            # the replicas' averaging deadline: the plan's estimate with the step's slack
+            averaging_s=min(
+                MAX_AVERAGING_S, max(self.job.deadline_s, self.job.deadline_slack * max(averaging, default=0))
+            ),
         )
         self.pipeline = None
         transport = self.connection.call(self.connection.transport())
@@ -162,7 +195,7 @@ class JobRun:
             start_planned(
                 self.connection,
                 self.job.model_spec(),
-                plan,
+                submitted.replicas,
                 options,
                 registry=self.registry,
                 restore=state,
@@ -173,15 +206,18 @@ class JobRun:
         setup_bytes = transport.bytes_sent - sent_before
         self.submitted = submitted
         self.running_id = submitted.run_id
-        self.clock = self.job.step_clock(plan.expected_s)
+        self.clock = self.job.step_clock(submitted.expected_s)
+        replicas = len(submitted.replicas)
         self.events.emit(
             "planned",
             f"plan version {self.version} (job {submitted.run_id}, epoch {submitted.epoch}, coordinator "
-            f"{submitted.reply.coordinator[-8:]}): stages on {[p[-8:] for p in self.stage_peers]}, "
+            f"{submitted.reply.coordinator[-8:]}): "
+            + (f"{replicas} replicas, " if replicas > 1 else "")
+            + f"stages on {[p.peer_id[-8:] for p in self.pipeline.peers]}, "
             f"from step {self.step}; {format_bytes(setup_bytes)} sent to set them up",
             step=self.step,
             plan_version=self.version,
-            peers=self.stage_peers,
+            peers=[p.peer_id for p in self.pipeline.peers],
             setup_bytes=setup_bytes,
             **submitted.facts(),
         )
@@ -201,13 +237,14 @@ class JobRun:
             StepFailed: a stage failed, is gone, or the step passed its deadline.
         """
         assert self.pipeline is not None
-        batches = next(self._batches)
+        batches = next(self._batches)[: self.pipeline.n_micro_batches]  # a dropped replica's share: left out
         began = time.perf_counter()
         try:
             loss = self.pipeline.train_step(batches, timeout=self.clock.deadline())
         except FusionP2PError as e:
             raise StepFailed(e) from e
         took = time.perf_counter() - began
+        self.samples_per_s = self.job.batch_size * len(batches) / self.job.n_micro_batches / took
         self.step += 1
         self.clock.observe(took, self.pipeline.stage_seconds())
         if len(self.clock.steps) == self.clock.warmup + self.clock.window:
@@ -218,8 +255,8 @@ class JobRun:
         """Re-estimates the plan with each stage owner's speed as its compute over the
         calibration window shows it (``planning.calibrate``); a ``calibrated`` event."""
         submitted, stages = self.submitted, self.clock.calibrated_stages()
-        if submitted is None or not stages:
-            return
+        if submitted is None or not stages or submitted.replicated is not None:
+            return  # replicas: the calibration does not model their averaging (yet)
         owners = [submitted.data_owner, *self.stage_peers]
         measured = dict(zip(owners, stages, strict=False))
         try:
@@ -265,6 +302,7 @@ class JobRun:
             return None
         began = time.perf_counter()
         assert self.submitted is not None and self.pipeline is not None
+        self._check_replicas()
         transport = self.connection.call(self.connection.transport())
         received = transport.bytes_received
         try:
@@ -285,6 +323,22 @@ class JobRun:
         self.policy.measured(cost, step_s)
         logger.info("checkpoint of step %d in %.2f s (next in %d steps)", self.step, cost, self.policy.period)
         return cost
+
+    def _check_replicas(self) -> None:
+        """Before a checkpoint: the replicas' parameters must agree (only replica 0 is saved).
+
+        Raises:
+            StepFailed: they differ (a ``replicas_diverged`` event; ``recover`` then rolls
+                every replica back to the last checkpoint, which was checked so).
+        """
+        assert self.pipeline is not None
+        if self.pipeline.replicas[0] < 2:
+            return
+        try:
+            self.pipeline.check_replicas(timeout=self.clock.deadline())
+        except FusionP2PError as e:
+            self.events.emit("replicas_diverged", str(e)[:500], step=self.step, plan_version=self.version)
+            raise StepFailed(e) from e
 
     # ------------------------------------------------------------------ faults
     def _close(self) -> None:
@@ -362,6 +416,27 @@ class JobRun:
         state = self._restore(self.checkpoint)
         self._close()
         self._replan(state, speeds=speeds, reason="a straggler")
+
+    def switch(self, submitted: SubmittedJob, reason: str) -> None:
+        """Checkpoints now and goes on with ``submitted`` (a plan from ``plan_next``) from
+        that checkpoint: no step is lost. A plan that cannot be set up is planned again.
+
+        Raises:
+            StepFailed: the checkpoint failed (then ``recover`` handles it).
+        """
+        self.maybe_checkpoint(force=True)
+        assert self.checkpoint is not None
+        state = self._restore(self.checkpoint)
+        self._close()
+        try:
+            self.set_up(submitted, state)
+        except (FusionP2PError, PlanningError) as e:
+            self.events.emit(
+                "replan_failed",
+                f"plan version {self.version} could not be set up ({str(e)[:200]}); planning again",
+                plan_version=self.version,
+            )
+            self._replan(state, reason=reason)
 
     def _restore(self, checkpoint: Checkpoint | None) -> Restore | None:
         """``checkpoint``'s shards, those of this run's directory held by this process."""
@@ -443,11 +518,23 @@ class JobRun:
                 replans=self.replans,
                 events=events,
                 updated_at=get_dht_time(),
+                **self._replica_status(),
             )
             directory = self.connection.directory
             self.connection.call(directory.publish_run(record, get_dht_time() + REPORT_TTL_S))
         except Exception as e:  # a report is a courtesy: training goes on without it
             logger.info("could not publish the run's status: %s", e)
+
+    def _replica_status(self) -> dict[str, Any]:
+        """What a run's report says of its speed and replicas."""
+        pipeline = self.pipeline
+        left = pipeline.replicas[0] if pipeline is not None else 1
+        averaging = pipeline.stage_averaging() if pipeline is not None and left > 1 else []
+        return {
+            "replicas": left,
+            "samples_per_s": self.samples_per_s,
+            "averaging_s": max((s for s, _ in averaging), default=0.0),
+        }
 
     def close(self) -> None:
         """Tears the plan in force down (best effort)."""

@@ -74,6 +74,28 @@ class Pipeline:
     def partition(self) -> Partition:
         return self.driver.partition
 
+    @property
+    def n_micro_batches(self) -> int:
+        """Micro-batches a step takes now (fewer than planned once a replica is dropped)."""
+        return self.driver.n_micro_batches
+
+    @property
+    def replicas(self) -> tuple[int, int]:
+        """(replicas running, replicas set up): (1, 1) without replicas."""
+        driver = self.driver
+        return (len(driver.replicas), driver.planned) if isinstance(driver, ReplicatedDriver) else (1, 1)
+
+    @property
+    def stage_owners(self) -> list[str]:
+        """Per runtime stage 1.., its owner (with replicas: in the first replica left)."""
+        driver = self.driver
+        return (driver.replicas[0] if isinstance(driver, ReplicatedDriver) else driver).stage_owners
+
+    @property
+    def lost(self) -> list[str]:
+        """Stage owners of dropped replicas that did not answer a ping."""
+        return list(self.driver.lost) if isinstance(self.driver, ReplicatedDriver) else []
+
     def train_step(
         self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], *, timeout: float | None = None
     ) -> float:
@@ -158,7 +180,7 @@ async def _live_peers(connection: SwarmConnection) -> dict[str, PeerRecord]:
 async def start_planned(
     connection: SwarmConnection,
     spec: ModelSpec,
-    plan: Plan,
+    plan: Plan | Sequence[Plan],
     options: JobOptions,
     *,
     registry: ModelRegistry | None = None,
@@ -171,6 +193,8 @@ async def start_planned(
     of the job names the plan's version. The stages start from ``restore`` (a checkpoint
     kept by stages, read from its holders but ``exclude``) or ``initial_state`` (every
     tensor, sent from here), else from ``pretrained`` weights, else from the spec's seed.
+    Several plans are the replicas of one job (``ReplicatedPlan.plans``): each is set up as
+    ``runtime.replicated`` runs them, ``options`` being the whole job's.
 
     Raises:
         ConfigError: ``options`` are for another micro-batch count than the plan's, or the
@@ -178,30 +202,49 @@ async def start_planned(
         SwarmError: a peer of the plan is no longer live.
         ProtocolError / PeerUnreachableError: a stage refused its setup or is unreachable.
     """
-    if options.n_micro_batches != plan.n_micro_batches:
+    plans = (plan,) if isinstance(plan, Plan) else tuple(plan)
+    if options.n_micro_batches != len(plans) * plans[0].n_micro_batches:
         raise ConfigError(
-            f"the plan is for {plan.n_micro_batches} micro-batches, not {options.n_micro_batches}: plan again"
+            f"the plan is for {len(plans) * plans[0].n_micro_batches} micro-batches, not "
+            f"{options.n_micro_batches}: plan again"
         )
     live = await _live_peers(connection)
     transport = await connection.transport()
-    layout = plan.layout(transport.peer_id)
-    missing = [p[-8:] for p in layout.peers[1:] if p not in live]
+    layouts = [p.layout(transport.peer_id) for p in plans]
+    others = [peer for layout in layouts for peer in layout.peers[1:]]
+    missing = [p[-8:] for p in others if p not in live]
     if missing:
         raise SwarmError(f"peers {missing} of the plan are no longer live: plan again")
-    options = replace(options, plan_version=plan.version, expect_dag=plan.dag)
-    driver = await PipelineDriver.create(
-        transport,
-        spec,
-        layout,
-        options,
-        addresses={p: live[p].maddrs for p in layout.peers[1:]},
-        registry=registry,
-        initial_state=initial_state,
-        pretrained=pretrained,
-        restore=restore,
-        exclude=exclude,
-    )
-    return Pipeline(connection, driver, [live[p] for p in layout.peers[1:]], plan=plan)
+    options = replace(options, plan_version=plans[0].version, expect_dag=plans[0].dag)
+    addresses = {p: live[p].maddrs for p in others}
+    driver: PipelineDriver | ReplicatedDriver
+    if len(plans) == 1:
+        driver = await PipelineDriver.create(
+            transport,
+            spec,
+            layouts[0],
+            options,
+            addresses=addresses,
+            registry=registry,
+            initial_state=initial_state,
+            pretrained=pretrained,
+            restore=restore,
+            exclude=exclude,
+        )
+    else:
+        driver = await ReplicatedDriver.create(
+            transport,
+            spec,
+            layouts,
+            options,
+            addresses=addresses,
+            registry=registry,
+            initial_state=initial_state,
+            pretrained=pretrained,
+            restore=restore,
+            exclude=exclude,
+        )
+    return Pipeline(connection, driver, [live[p] for p in others], plan=plans[0])
 
 
 async def start_fixed(

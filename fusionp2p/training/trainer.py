@@ -31,6 +31,7 @@ from fusionp2p.opdag.spec import resolve_spec
 from fusionp2p.planning import cluster_peers
 from fusionp2p.training.checkpoint import newest_resumable
 from fusionp2p.training.corpus import BYTE_VOCAB
+from fusionp2p.training.elastic import Elastic
 from fusionp2p.training.images import DIGIT_CLASSES
 from fusionp2p.training.job_run import JobRun, StepFailed
 from fusionp2p.training.job_spec import JobSpec
@@ -69,6 +70,17 @@ def describe_submitted(submitted: SubmittedJob) -> str:
         f"{submitted.run_id} with {plan.method} over {len(topo) - 1} idle peer(s)",
         f"{len(clusters)} bandwidth cluster(s): {' | '.join(', '.join(c) for c in clusters)}",
     ]
+    replicated = submitted.replicated
+    if replicated is not None and replicated.replicas > 1:
+        head.append(
+            f"{replicated.replicas} replicas, {plan.n_micro_batches} micro-batches each, "
+            f"{replicated.expected_s:.3f} s per step (estimate); each stage's gradients averaged in "
+            f"{', '.join(f'{s * 1e3:.0f}' for s in replicated.averaging_s)} ms (estimate)"
+        )
+        head += [
+            f"replica {k}: {', '.join(names[p] for p in r.peer_ids)}" for k, r in enumerate(replicated.plans)
+        ]
+        head.append("replica 0:")
     return "\n".join([*head, plan.describe(submitted.traced.dag, submitted.data_owner)])
 
 
@@ -183,9 +195,17 @@ def _open_run(
 
 
 def _step_row(run: JobRun, loss: float, took: float, stage_seconds: list[float]) -> dict[str, Any]:
-    """The metrics row of the step ``run`` just did."""
-    per_step, unit = run.job.batch_size * run.data.units_per_sample, run.data.unit
-    assert run.submitted is not None
+    """The metrics row of the step ``run`` just did (with replicas: how many ran it, and
+    per stage the seconds its replicas spent averaging)."""
+    assert run.submitted is not None and run.pipeline is not None
+    left, planned = run.pipeline.replicas
+    share = run.pipeline.n_micro_batches / run.job.n_micro_batches  # a dropped replica's share is skipped
+    per_step, unit = run.job.batch_size * share * run.data.units_per_sample, run.data.unit
+    replicas = (
+        {"replicas": left, "averaging_s": [round(s, 4) for s, _ in run.pipeline.stage_averaging()]}
+        if planned > 1
+        else {}
+    )
     return {
         "step": run.step,
         "loss": loss,
@@ -196,6 +216,7 @@ def _step_row(run: JobRun, loss: float, took: float, stage_seconds: list[float])
         "plan_version": run.version,
         "peers": run.stage_peers,
         "stage_compute_s": stage_seconds,
+        **replicas,
         "time": time.time(),
     }
 
@@ -207,9 +228,11 @@ def _postfix(run: JobRun, row: dict[str, Any]) -> str:
     slowest = max(range(len(seconds)), key=seconds.__getitem__) if seconds else 0
     who = owners[slowest] if slowest < len(owners) else "?"
     unit = run.data.unit
+    averaging = row.get("averaging_s")
     return (
         f"loss {row['loss']:.3f}, {row[f'{unit}_per_s']:.0f} {unit[:3]}/s, plan v{run.version}, "
-        f"slowest {who} ({seconds[slowest] if seconds else 0:.2f} s)"
+        + (f"{row['replicas']} replicas (averaging {max(averaging):.2f} s), " if averaging else "")
+        + f"slowest {who} ({seconds[slowest] if seconds else 0:.2f} s)"
     )
 
 
@@ -224,37 +247,43 @@ def _run_steps(
     final state; the final trainable weights if the job gathers them, and the last step's
     compute per stage."""
     job = run.job
+    elastic = Elastic(run)
     stage_seconds: list[float] = []
     checkpoint_s: float | None = None  # the last checkpoint's cost, reported with the next step
-    while True:
-        try:
-            if run.step >= job.steps:  # the final weights are a checkpoint, kept by the stages
-                if run.checkpoint is None or run.checkpoint.step < run.step:
-                    run.maybe_checkpoint(force=True)
-                return (run.fetch_params() if job.weights == "gather" else None), stage_seconds
-            loss, took = run.train_step()
-            assert run.pipeline is not None
-            stage_seconds = run.pipeline.stage_seconds()
-            del losses[run.step - 1 :]
-            losses.append(loss)
-            row = _step_row(run, loss, took, stage_seconds)
-            if checkpoint_s is not None:  # the checkpoint after the previous step: its cost here
-                row["checkpoint_s"] = checkpoint_s
-                row["checkpoint_bytes"] = run.checkpoint_bytes
-            metrics.write(row)  # the step's row first: a checkpoint of step N never exists without it
-            checkpoint_s = run.maybe_checkpoint() if run.step < job.steps else None
-            run.report(loss, force=run.step == job.steps)
-            bar.n = run.step
-            bar.set_postfix_str(_postfix(run, row))
-            bar.refresh()
-            if on_step is not None:
-                on_step(row)
-            if run.clock.straggling() and run.step < job.steps:
-                run.switch_for_straggler()
-        except StepFailed as failure:
-            run.recover(failure)
-            bar.n = run.step
-            bar.refresh()
+    try:
+        while True:
+            try:
+                if run.step >= job.steps:  # the final weights are a checkpoint, kept by the stages
+                    if run.checkpoint is None or run.checkpoint.step < run.step:
+                        run.maybe_checkpoint(force=True)
+                    return (run.fetch_params() if job.weights == "gather" else None), stage_seconds
+                loss, took = run.train_step()
+                assert run.pipeline is not None
+                stage_seconds = run.pipeline.stage_seconds()
+                del losses[run.step - 1 :]
+                losses.append(loss)
+                row = _step_row(run, loss, took, stage_seconds)
+                if checkpoint_s is not None:  # the checkpoint after the previous step: its cost here
+                    row["checkpoint_s"] = checkpoint_s
+                    row["checkpoint_bytes"] = run.checkpoint_bytes
+                metrics.write(row)  # the step's row first: a checkpoint of step N never exists without it
+                checkpoint_s = run.maybe_checkpoint() if run.step < job.steps else None
+                run.report(loss, force=run.step == job.steps)
+                bar.n = run.step
+                bar.set_postfix_str(_postfix(run, row))
+                bar.refresh()
+                if on_step is not None:
+                    on_step(row)
+                if run.clock.straggling() and run.step < job.steps:
+                    run.switch_for_straggler()
+                else:
+                    elastic.tick()
+            except StepFailed as failure:
+                run.recover(failure)
+                bar.n = run.step
+                bar.refresh()
+    finally:
+        elastic.close()  # a plan still being made is of no use now
 
 
 def train(
