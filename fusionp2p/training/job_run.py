@@ -28,15 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hivemind.utils import get_dht_time
 
 from fusionp2p.config import DEFAULT_TIMEOUTS, RatioWarmup, format_bytes
 from fusionp2p.errors import ConfigError, CoordinatorError, FusionP2PError, LimitError, SwarmError
 from fusionp2p.net.connection import SwarmConnection
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.planning import PlanningError
-from fusionp2p.planning.calibrate import calibrate
-from fusionp2p.records import RUN_EVENT_CHARS, RUN_EVENTS, RunStatusRecord
 from fusionp2p.runtime.job_setup import JobOptions
 from fusionp2p.runtime.pretrained import PretrainedWeights
 from fusionp2p.runtime.restore import Restore
@@ -44,6 +41,7 @@ from fusionp2p.training.batches import Batch, TrainingData
 from fusionp2p.training.checkpoint import Checkpoint, choose_replicas, run_secret, save_checkpoint
 from fusionp2p.training.job_spec import JobSpec
 from fusionp2p.training.pipeline import Pipeline, start_planned
+from fusionp2p.training.run_reports import publish_status, report_calibration
 from fusionp2p.training.submit import SubmittedJob, plan_job_id, submit_job
 from fusionp2p.training.supervision import CheckpointPolicy, EventLog
 
@@ -55,7 +53,6 @@ REPLAN_PATIENCE_S = 180.0  # how long a re-plan is retried (a coordinator may ha
 REPLAN_RETRY_S = 2.0  # between two tries of a re-plan
 REPORT_PERIOD_S = 5.0  # how often the run's progress goes to the DHT
 MAX_AVERAGING_S = 3600.0  # the longest averaging deadline a setup carries (JobSetup.averaging_s)
-REPORT_TTL_S = 300.0  # a report outlives a dead data owner this long
 SHARD_DIR = "shards"  # under the run directory: the data owner's own stage's shards
 
 
@@ -248,36 +245,8 @@ class JobRun:
         self.step += 1
         self.clock.observe(took, self.pipeline.stage_seconds())
         if len(self.clock.steps) == self.clock.warmup + self.clock.window:
-            self._calibrate()
+            report_calibration(self)
         return loss, took
-
-    def _calibrate(self) -> None:
-        """Re-estimates the plan with each stage owner's speed as its compute over the
-        calibration window shows it (``planning.calibrate``); a ``calibrated`` event."""
-        submitted, stages = self.submitted, self.clock.calibrated_stages()
-        if submitted is None or not stages or submitted.replicated is not None:
-            return  # replicas: the calibration does not model their averaging (yet)
-        owners = [submitted.data_owner, *self.stage_peers]
-        measured = dict(zip(owners, stages, strict=False))
-        try:
-            result = calibrate(
-                submitted.traced.dag, submitted.topology, submitted.plan, submitted.cost, measured
-            )
-        except PlanningError as e:  # only a report: the run goes on without it
-            logger.warning("could not re-estimate plan version %d: %s", self.version, e)
-            return
-        self.events.emit(
-            "calibrated",
-            f"plan version {self.version} re-estimated at {result.expected_s:.2f} s/step from its "
-            f"stages' measured compute (planned {submitted.plan.expected_s:.2f} s, measured "
-            f"{self.clock.expected_s or 0:.2f} s)",
-            step=self.step,
-            plan_version=self.version,
-            estimate_s=result.expected_s,
-            planned_estimate_s=submitted.plan.expected_s,
-            measured_s=self.clock.expected_s,
-            speed_factors={p[-8:]: round(f, 3) for p, f in result.factors.items()},
-        )
 
     def fetch_params(self) -> dict[str, torch.Tensor]:
         """Every stage's trainable parameters (the final weights).
@@ -502,39 +471,7 @@ class JobRun:
         if self.submitted is None or (not force and now - self._reported < REPORT_PERIOD_S):
             return
         self._reported = now
-        events = tuple(
-            f"{e['event']}: {e['message']}"[:RUN_EVENT_CHARS] for e in list(self.events.recent)[-RUN_EVENTS:]
-        )
-        try:
-            record = RunStatusRecord(
-                run_id=self.run_id,
-                data_owner=self.submitted.data_owner,
-                job=self.submitted.run_id,
-                step=min(self.step, self.job.steps),
-                steps=self.job.steps,
-                loss=float(self.loss),
-                plan_version=self.version,
-                epoch=self.submitted.epoch,
-                replans=self.replans,
-                events=events,
-                updated_at=get_dht_time(),
-                **self._replica_status(),
-            )
-            directory = self.connection.directory
-            self.connection.call(directory.publish_run(record, get_dht_time() + REPORT_TTL_S))
-        except Exception as e:  # a report is a courtesy: training goes on without it
-            logger.info("could not publish the run's status: %s", e)
-
-    def _replica_status(self) -> dict[str, Any]:
-        """What a run's report says of its speed and replicas."""
-        pipeline = self.pipeline
-        left = pipeline.replicas[0] if pipeline is not None else 1
-        averaging = pipeline.stage_averaging() if pipeline is not None and left > 1 else []
-        return {
-            "replicas": left,
-            "samples_per_s": self.samples_per_s,
-            "averaging_s": max((s for s, _ in averaging), default=0.0),
-        }
+        publish_status(self)
 
     def close(self) -> None:
         """Tears the plan in force down (best effort)."""
