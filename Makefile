@@ -32,7 +32,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy fusionp2p
 
 test: lint
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider --durations=25
 
 test-fast: $(STAMP)  # under 3 minutes: everything but the tests that start processes or take long
 	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not swarm and not slow"

@@ -5,7 +5,6 @@ global batch (issue 35)."""
 from __future__ import annotations
 
 import math
-import signal
 import time
 from collections.abc import Iterator
 
@@ -24,7 +23,7 @@ from fusionp2p.runtime.losses import LOSSES
 from fusionp2p.swarm import Swarm
 
 N_MB = 4  # the global batch: 2 micro-batches per replica
-STEPS = 10
+STEPS = 5  # the coordinated test (test_replicas_train.py) trains 10
 OPT = OptimizerConfig(lr=1e-2, eps=1e-6)
 GPT2 = ModelSpec(
     "gpt2", {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 97, "n_positions": 32}, input_shape=(2, 8)
@@ -78,7 +77,7 @@ class _OneProcess:
 
 def test_two_replicas_train_as_one_process_on_the_global_batch(swarm: Swarm) -> None:
     """R = 2 replicas of 3 stages (this process and 2 peers each) on 4 peers: each step's
-    4 micro-batches split 2 and 2; the losses and parameters after 10 steps are those of
+    4 micro-batches split 2 and 2; the losses and parameters after 5 steps are those of
     one process that trains on all 4 micro-batches per step, and the replicas' parameters
     are equal stage by stage."""
     one = _OneProcess()
@@ -125,31 +124,3 @@ def test_a_replica_that_comes_after_the_deadline_is_left_out_and_the_check_says_
             assert sum(got) / N_MB == pytest.approx(sum(want) / N_MB, rel=0.05)
         with pytest.raises(ProtocolError, match=r"replicas \[1\] hold other parameters .* diverged"):
             pipe.check_replicas(timeout=120)
-
-
-def test_a_lost_replica_is_dropped_and_the_other_goes_on_without_a_roll_back(
-    swarm: Swarm, local: LocalSwarm
-) -> None:
-    """SIGKILL a stage peer of replica 1 after 3 steps (this test kills a peer of the
-    module's swarm: it runs last). The next step drops replica 1, keeps replica 0's half of
-    the batch, and replica 0 goes on alone, each step the 2 micro-batches it runs: the
-    losses are those of one process that trained on what the surviving replica saw."""
-    reference = _OneProcess().step
-    options = JobOptions(n_micro_batches=N_MB, optimizer=OPT, timeout=60, averaging_s=20.0)
-    with swarm.data_owner().pipeline(GPT2, n_stages=3, replicas=2, options=options, registry=LOCAL) as pipe:
-        for step in range(3):
-            got = pipe.run_iteration(_batches(step))
-            pipe.step()
-            assert got == pytest.approx(reference(_batches(step)), rel=1e-4, abs=1e-5), step
-        victim = pipe.driver.replicas[1].stage_owners[0]
-        local.signal(next(i for i, p in enumerate(local.peers) if p.peer_id == victim), signal.SIGKILL)
-        got = pipe.run_iteration(_batches(3))  # replica 1 fails here and is dropped
-        pipe.step()
-        assert got == pytest.approx(reference(_batches(3)[:2]), rel=1e-4, abs=1e-5)
-        assert pipe.driver.n_micro_batches == 2 and victim in pipe.driver.lost
-        for step in (4, 5):
-            batches = _batches(step)[:2]
-            got = pipe.run_iteration(batches)
-            pipe.step()
-            assert got == pytest.approx(reference(batches), rel=1e-4, abs=1e-5), step
-            assert [group for _, group in pipe.stage_averaging()] == [1, 0, 0]  # nobody to average with
