@@ -3,12 +3,16 @@ run must match, and a peer's record."""
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
 
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.spec import build_model
 from fusionp2p.records import PeerRecord
 from fusionp2p.runtime.losses import LOSSES
+from fusionp2p.swarm import Swarm
 from fusionp2p.training.job_spec import JobSpec
 
 
@@ -54,3 +58,13 @@ def reference_losses(job: JobSpec, model: torch.nn.Module | None = None) -> list
         opt.step()
         losses.append(sum(values) / len(values))
     return losses
+
+
+def wait_idle(swarm: Swarm, n: int, timeout: float = 60.0) -> None:
+    """Waits until ``swarm`` has ``n`` idle peers and a coordinator; fails the test after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if len([p for p in swarm.peers() if p.state == "idle"]) >= n and swarm.coordinator() is not None:
+            return
+        time.sleep(0.5)
+    pytest.fail(f"fewer than {n} idle peers and a coordinator after {timeout:.0f} s")

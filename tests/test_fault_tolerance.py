@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from job_helpers import reference_losses
+from job_helpers import reference_losses, wait_idle
 from process_helpers import run_grouped, wait_group_gone
 
 from fusionp2p.cli_jobs import format_runs
@@ -68,17 +68,8 @@ def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
 @pytest.fixture(scope="module")
 def client(local: LocalSwarm) -> Iterator[Swarm]:
     with Swarm(local.initial_peers, swarm=local.swarm) as swarm:
-        _wait_idle(swarm, len(local.peers))
+        wait_idle(swarm, len(local.peers))
         yield swarm
-
-
-def _wait_idle(swarm: Swarm, n: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if len([p for p in swarm.peers() if p.state == "idle"]) >= n and swarm.coordinator() is not None:
-            return
-        time.sleep(0.5)
-    pytest.fail(f"fewer than {n} idle peers and a coordinator after {timeout:.0f} s")
 
 
 def _index(local: LocalSwarm, peer_id: str) -> int:
@@ -156,7 +147,7 @@ def test_a_stage_owner_that_leaves_tells_the_data_owner_at_once(
     client: Swarm, local: LocalSwarm, tmp_path: Path
 ) -> None:
     """Ctrl-C on a stage peer: it says it leaves, and the job re-plans long before its deadline."""
-    _wait_idle(client, 3, timeout=90)
+    wait_idle(client, 3, timeout=90)
     job = _job(tmp_path, name="ft-leave", steps=16, deadline_s=90.0)
     left: dict[str, Any] = {}
 
@@ -179,7 +170,7 @@ def test_a_stage_owner_that_leaves_tells_the_data_owner_at_once(
 def test_a_stopped_stage_owner_is_planned_around_and_waking_up_corrupts_nothing(
     client: Swarm, local: LocalSwarm, tmp_path: Path
 ) -> None:
-    _wait_idle(client, 2)
+    wait_idle(client, 2)
     job = _job(tmp_path, name="ft-stop", steps=20)  # stopped at 8
     stopped: dict[str, Any] = {}
 
@@ -212,7 +203,7 @@ def test_a_stopped_stage_owner_is_planned_around_and_waking_up_corrupts_nothing(
 def test_training_goes_on_without_the_coordinator_and_a_later_loss_is_still_handled(
     client: Swarm, local: LocalSwarm, tmp_path: Path
 ) -> None:
-    _wait_idle(client, 3, timeout=90)
+    wait_idle(client, 3, timeout=90)
     job = _job(tmp_path, name="ft-coord")
     lease = client.coordinator()
     assert lease is not None
@@ -250,7 +241,7 @@ def _metrics_steps(run_dir: Path) -> list[int]:
 def test_a_killed_data_owner_resumes_from_its_checkpoint(
     client: Swarm, local: LocalSwarm, tmp_path: Path
 ) -> None:
-    _wait_idle(client, 1, timeout=90)
+    wait_idle(client, 1, timeout=90)
     job = _job(tmp_path, name="ft-owner", min_peers=1, steps=30)
     config = tmp_path / "job.toml"
     config.write_text(

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from job_helpers import wait_idle
 
 from fusionp2p.cli_jobs import format_jobs, format_runs
 from fusionp2p.launch import LocalSwarm
@@ -68,17 +69,8 @@ def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
 @pytest.fixture(scope="module")
 def client(local: LocalSwarm) -> Iterator[Swarm]:
     with Swarm(local.initial_peers, swarm=local.swarm) as swarm:
-        _wait_idle(swarm, len(local.peers))
+        wait_idle(swarm, len(local.peers), timeout=90.0)
         yield swarm
-
-
-def _wait_idle(swarm: Swarm, n: int, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if len([p for p in swarm.peers() if p.state == "idle"]) >= n and swarm.coordinator() is not None:
-            return
-        time.sleep(0.5)
-    pytest.fail(f"fewer than {n} idle peers and a coordinator after {timeout:.0f} s")
 
 
 def _reference(job: JobSpec, *, halves: Collection[int] = ()) -> list[float]:
@@ -143,7 +135,7 @@ def test_a_peer_that_joins_mid_run_gets_a_replica_at_the_next_refresh(
     the swarm after step 3 and, within one refresh and the plan's making, the run switches
     to 2 replicas (2 micro-batches a step: a replica each beats a 2-stage pipeline's fill
     and drain) from a checkpoint: no step is lost or redone, the losses stay one process's."""
-    _wait_idle(client, len(local.peers))
+    wait_idle(client, len(local.peers), timeout=90.0)
     key = tmp_path / "newcomer.key"
     newcomer = str(ensure_identity(str(key)))
     lease = client.coordinator()
@@ -198,7 +190,7 @@ def test_a_killed_replica_is_dropped_and_a_spare_peer_refills_it(
     and replica 1's survivors); it switches to them from a checkpoint: the losses are one
     process's that trained on half the batch while replica 1 was missing, and the
     replicas agree at every later checkpoint."""
-    _wait_idle(client, len(local.peers))
+    wait_idle(client, len(local.peers), timeout=90.0)
     job = _job(tmp_path, name="dp-refill", steps=40, checkpoint_every=4)
     killed: dict[str, str] = {}
     ours = {p.peer_id for p in local.peers}

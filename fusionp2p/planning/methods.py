@@ -13,9 +13,9 @@ from fusionp2p.opdag.ir import OpDag
 from fusionp2p.planning.baselines import baseline_plan
 from fusionp2p.planning.cost import CostConfig
 from fusionp2p.planning.opfence import op_fence
-from fusionp2p.planning.owner import OwnerFrame, owner_part
+from fusionp2p.planning.owner import framed
 from fusionp2p.planning.plan import Plan
-from fusionp2p.planning.topology import PlanningError, Topology
+from fusionp2p.planning.topology import Topology
 from fusionp2p.records import PLAN_METHODS
 
 __all__ = ["PLAN_METHODS", "plan_job"]
@@ -33,13 +33,7 @@ def plan_job(dag: OpDag, topo: Topology, data_owner: str, *, method: str, cost: 
     """
     if method not in PLAN_METHODS:
         raise ConfigError(f"plan method must be one of {list(PLAN_METHODS)}, got {method!r}")
-    if not len(topo.without(data_owner)):
-        raise PlanningError("the swarm has no live peer besides this data owner to run the model on")
-    part = owner_part(dag)
-    if part is None or data_owner not in topo.peer_ids:
-        topo, frame = topo.without(data_owner), None
-    else:
-        frame = OwnerFrame(topo.peer_ids.index(data_owner), part)
+    topo, frame = framed(dag, topo, data_owner)
     if method == "op-fence":
         return op_fence(dag, topo, cost, frame=frame)
     name, _, kind = method.partition("/")

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 from fusionp2p.opdag.ir import OpDag
 from fusionp2p.planning.estimate import Stage
-from fusionp2p.planning.topology import PlanningError
+from fusionp2p.planning.topology import PlanningError, Topology
 
-__all__ = ["OwnerFrame", "OwnerPart", "owner_part"]
+__all__ = ["OwnerFrame", "OwnerPart", "framed", "owner_part"]
 
 
 @dataclass(frozen=True)
@@ -107,3 +107,19 @@ def owner_part(dag: OpDag) -> OwnerPart | None:
             f"every node of {dag.name or 'the model'} runs with the data owner: nothing to place on a peer"
         )
     return OwnerPart(n, head, tail, strays)
+
+
+def framed(dag: OpDag, topo: Topology, data_owner: str) -> tuple[Topology, OwnerFrame | None]:
+    """The topology a plan of ``dag`` places its peers' stages on, and the data owner's
+    frame: ``data_owner`` pinned to its part, or (no part, or a data owner ``topo`` does
+    not hold) no frame and ``topo`` without it.
+
+    Raises:
+        PlanningError: no peer besides the data owner.
+    """
+    if not len(topo.without(data_owner)):
+        raise PlanningError("the swarm has no live peer besides this data owner to run the model on")
+    part = owner_part(dag)
+    if part is None or data_owner not in topo.peer_ids:
+        return topo.without(data_owner), None
+    return topo, OwnerFrame(topo.peer_ids.index(data_owner), part)

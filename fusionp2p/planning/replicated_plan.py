@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from fusionp2p.opdag.ir import OpDag
 from fusionp2p.planning.cost import CostConfig
-from fusionp2p.planning.owner import OwnerFrame, owner_part
+from fusionp2p.planning.owner import framed
 from fusionp2p.planning.plan import Plan
 from fusionp2p.planning.replicas import plan_replicas, shared_owner
 from fusionp2p.planning.topology import PlanningError, Topology
@@ -114,13 +114,7 @@ def plan_replicated_job(
         PlanningError: no peer besides the data owner, R does not divide n_b, or R
             replicas do not fit the swarm.
     """
-    if not len(topo.without(data_owner)):
-        raise PlanningError("the swarm has no live peer besides this data owner to run the model on")
-    part = owner_part(dag)
-    if part is None or data_owner not in topo.peer_ids:
-        topo, frame = topo.without(data_owner), None
-    else:
-        frame = OwnerFrame(topo.peer_ids.index(data_owner), part)
+    topo, frame = framed(dag, topo, data_owner)
     found = plan_replicas(dag, topo, cost, replicas, frame=frame)
     r = len(found.replicas)
     per = dataclasses.replace(cost, n_micro_batches=found.n_micro_batches)
