@@ -18,7 +18,7 @@ from typing import Any
 
 from fusionp2p.config import DEFAULT_TIMEOUTS
 from fusionp2p.coordination.election import LeaseJudge, find_coordinator, read_lease
-from fusionp2p.errors import CoordinatorError, RecordError, SwarmError
+from fusionp2p.errors import CoordinatorError, PeerUnreachableError, RecordError, SwarmError
 from fusionp2p.net.directory import SwarmDirectory, Unread
 from fusionp2p.net.framing import FrameKind
 from fusionp2p.net.transport import Transport
@@ -150,12 +150,17 @@ async def submit_job(
     Raises:
         ConfigError: the job's model family or config is refused here.
         SwarmError: too few idle peers within the job's ``wait_peers_s``.
+        PeerUnreachableError: the lease holder could not be reached, and no other took the
+            lease within ``wait_peers_s``.
         CoordinatorError: no coordinator, it refused the job (its reason is in the
             message), its plan is not in the DHT under the epoch in force, or it was not
             the plan this data owner makes of the records the coordinator cites
             (``training.verify``) and no other peer took the lease within the job's
-            ``wait_peers_s``: a coordinator caught once is never asked again (nor given a
-            stage) by this submission, which waits for the next lease holder instead.
+            ``wait_peers_s``: a coordinator caught twice is never asked again (nor given
+            a stage) by this submission, which waits for the next lease holder instead.
+            (Once is not enough: an honest coordinator's view can be seconds older than
+            the links this data owner checks it against, and a loopback or busy link's
+            re-measurement has been seen to move 8x and more in between.)
     """
     spec = job.model_spec()
     registry = registry or ModelRegistry.for_data_owner(spec.family)
@@ -170,7 +175,8 @@ async def submit_job(
     judge = LeaseJudge(allowed=frozenset(job.coordinators))
     me = await asyncio.to_thread(self_record, transport.peer_id, site=site, max_memory=job.max_memory_bytes)
     attempt = _Attempt(transport, directory, job, traced, judge, me, run_id or new_run_id(job.name), timeout)
-    caught: dict[str, PlanRefused] = {}  # coordinators whose reply this data owner refused
+    caught: dict[str, PlanRefused] = {}  # coordinators whose reply this data owner refused twice
+    refused: set[str] = set()  # ... and once
     loop = asyncio.get_running_loop()
     patience = loop.time() + max(job.wait_peers_s, 1.0)
     while True:
@@ -192,7 +198,18 @@ async def submit_job(
         ]
         try:
             return await attempt.ask(lease, candidates, replaces, (*exclude, *caught), speeds)
+        except PeerUnreachableError as e:  # it died or left while planning: its successor plans
+            if loop.time() >= patience:
+                raise
+            logger.warning(
+                "the coordinator %s is unreachable (%s); waiting for the lease holder", lease.holder[-8:], e
+            )
+            await asyncio.sleep(1.0)
         except PlanRefused as e:
+            if lease.holder not in refused:
+                refused.add(lease.holder)
+                logger.warning("%s; asking it once more, on the swarm as it is now", e)
+                continue
             caught[lease.holder] = e
             logger.warning(
                 "%s; job %s waits up to %.0f s for another peer to hold the coordinator lease",
