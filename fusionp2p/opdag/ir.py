@@ -11,6 +11,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
+
 from fusionp2p.errors import FusionP2PError
 
 __all__ = ["LOSS_ID", "OpDag", "OpDagError", "OpNode"]
@@ -128,17 +130,45 @@ class OpDag:
                     cut[p] += node.output_bytes
         return cut
 
-    def traffic(self, owner: Sequence[int]) -> dict[tuple[int, int], int]:
-        """Bytes per micro-batch from stage a to stage b, given each node's stage ``owner[i]``.
+    @cached_property
+    def edges(self) -> tuple[np.ndarray, np.ndarray]:
+        """(producer, consumer) positions of every edge, as two arrays."""
+        pairs = np.array(
+            [(self.index[src], i) for i, n in enumerate(self.nodes) for src in n.inputs], dtype=np.int64
+        ).reshape(-1, 2)
+        return pairs[:, 0], pairs[:, 1]
 
-        A tensor is sent once to each other stage that consumes it.
+    def column(self, name: str) -> np.ndarray:
+        """One cost field of every node, in order, as a float array (``"fwd_flops"``,
+        ``"bwd_flops"``, ``"param_bytes"``, ``"output_bytes"``, ``"saved_bytes"``)."""
+        cached = self._columns.get(name)
+        if cached is None:
+            cached = self._columns[name] = np.array([getattr(n, name) for n in self.nodes], dtype=float)
+        return cached
+
+    @cached_property
+    def _columns(self) -> dict[str, np.ndarray]:
+        return {}
+
+    def stage_sums(self, owner: np.ndarray, n_stages: int, name: str) -> np.ndarray:
+        """``column(name)`` summed per stage, given each node's stage ``owner[i]``."""
+        return np.bincount(owner, weights=self.column(name), minlength=n_stages)
+
+    def traffic(self, owner: Sequence[int] | np.ndarray) -> dict[tuple[int, int], int]:
+        """Bytes per micro-batch from stage a to stage b (in that order), given each node's
+        stage ``owner[i]``. A tensor is sent once to each other stage that consumes it.
         """
-        out: dict[tuple[int, int], int] = {}
-        for i, node in enumerate(self.nodes):
-            dst_stages = {owner[self.index[c]] for c in self.consumers[node.id]} - {owner[i]}
-            for b in dst_stages:
-                out[owner[i], b] = out.get((owner[i], b), 0) + node.output_bytes
-        return out
+        own = np.asarray(owner, dtype=np.int64)
+        producer, consumer = self.edges
+        to = own[consumer]
+        crossing = own[producer] != to
+        width = int(own.max(initial=0)) + 1
+        sends = np.unique(producer[crossing] * width + to[crossing])  # (tensor, stage) once each
+        tensor, dst = np.divmod(sends, width)
+        pair = own[tensor] * width + dst
+        keys, where = np.unique(pair, return_inverse=True)
+        total = np.bincount(where, weights=self.column("output_bytes")[tensor], minlength=len(keys))
+        return {(int(k) // width, int(k) % width): int(b) for k, b in zip(keys, total, strict=True)}
 
     @property
     def total_fwd_flops(self) -> float:

@@ -9,15 +9,16 @@ them to search, and ``estimate`` has the last word.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import numpy as np
 
 from fusionp2p.opdag.ir import OpDag
-from fusionp2p.planning.cost import CostConfig
+from fusionp2p.planning.cost import CostConfig, codec_seconds
 from fusionp2p.planning.topology import Topology
 
-__all__ = ["ChainCosts"]
-
-_LINK_CACHE_ENTRIES = 1 << 14  # ~140 MiB for a 500-node OP-DAG at most; cleared when full
+__all__ = ["ChainCosts", "SlotPairs"]
 
 
 class ChainCosts:
@@ -32,7 +33,6 @@ class ChainCosts:
         self.saved = np.concatenate([[0.0], np.cumsum([float(n.saved_bytes) for n in dag.nodes])])
         self.cut = np.array(dag.cut_bytes(), dtype=float)
         self._stage_cache: dict[tuple[int, int, bytes], np.ndarray] = {}
-        self._link_cache: dict[tuple[int, int, float], tuple[np.ndarray, np.ndarray]] = {}
 
     def stage_matrix(self, peer: int, inflight: int, positions: np.ndarray | None = None) -> np.ndarray:
         """``[s, e]``: forward+backward seconds of the stage from ``positions[s]`` to ``positions[e]``
@@ -53,30 +53,54 @@ class ChainCosts:
         self._stage_cache[key] = out = np.where(bad, np.inf, t)
         return out
 
-    def link_times(self, src: int, dst: int, ratio: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
-        """(forward, backward) seconds per cut position for a link src -> dst at ``ratio``;
-        the forward holds the link's Top-K coding time (``estimate`` counts it as the peers'
-        work too). Memoized for a scalar ratio (every order OP-Fence tries asks again)."""
-        if src == dst:
-            zeros = np.zeros_like(self.cut)
-            return zeros, zeros
-        if np.ndim(ratio) == 0:
-            key = (src, dst, float(ratio))
-            cached = self._link_cache.get(key)
-            if cached is None:
-                if len(self._link_cache) >= _LINK_CACHE_ENTRIES:
-                    self._link_cache.clear()
-                cached = self._link_cache[key] = self._link_times(src, dst, ratio)
-            return cached
-        return self._link_times(src, dst, ratio)
+    def slot_pairs(self, seq: Sequence[int]) -> SlotPairs:
+        """The links between the slots of a peer sequence, as ``[a, b, 1]`` arrays."""
+        peers = np.asarray(seq, dtype=np.int64)
+        src, dst = peers[:, None], peers[None, :]
+        codec = self.topo.codec
+        later = np.triu(np.ones((len(peers), len(peers)), dtype=bool), 1) & (src != dst)
+        return SlotPairs(
+            src=src,
+            dst=dst,
+            used=later[..., None],
+            latency=self.topo.latency[src, dst][..., None],
+            latency_back=self.topo.latency[dst, src][..., None],
+            bandwidth=self.topo.bandwidth[src, dst][..., None],
+            bandwidth_back=self.topo.bandwidth[dst, src][..., None],
+            codec=((codec[src, 0] + codec[dst, 2])[..., None], (codec[src, 1] + codec[dst, 3])[..., None]),
+        )
 
-    def _link_times(self, src: int, dst: int, ratio: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
-        wire = self.cost.wire.wire_bytes(self.cut, ratio)
-        send, recv = self.topo.coding_s(src, dst, self.cut / self.cost.wire.dense_value_bytes, ratio)
-        fwd = self.topo.latency[src, dst] + wire / self.topo.bandwidth[src, dst] + send + recv
-        bwd = self.topo.latency[dst, src] + wire / self.topo.bandwidth[dst, src]
-        return fwd, bwd
+    def link_matrices(
+        self, pairs: SlotPairs, positions: np.ndarray, ratio: np.ndarray | float
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``[a, b, c]``: (forward, backward, forward busy, backward busy) seconds of the link
+        from slot a to a later slot b at cut ``positions[c]``, at Top-K ``ratio`` (broadcast
+        to ``[a, b, c]``); 0 where b is not later than a or both slots are one peer (the data
+        owner's head and tail). The forward holds the link's Top-K coding time (``estimate``
+        counts it as the peers' work too); the busy times leave out the latency, which is
+        in flight, not occupancy."""
+        cut = self.cut[positions][None, None, :]
+        wire_fmt, codec = self.cost.wire, self.topo.codec
+        with np.errstate(divide="ignore", invalid="ignore"):  # a peer's link to itself: masked below
+            wire = wire_fmt.wire_bytes(cut, ratio)
+            numel = cut / wire_fmt.dense_value_bytes
+            send = codec_seconds(numel, ratio, codec[pairs.src, 0][..., None], codec[pairs.src, 1][..., None])
+            recv = codec_seconds(numel, ratio, codec[pairs.dst, 2][..., None], codec[pairs.dst, 3][..., None])
+            fwd = pairs.latency + wire / pairs.bandwidth + send + recv
+            bwd = pairs.latency_back + wire / pairs.bandwidth_back
+            out = (fwd, bwd, fwd - pairs.latency, bwd - pairs.latency_back)
+        return tuple(np.where(pairs.used, x, 0.0) for x in out)  # type: ignore[return-value]
 
-    def dense_time(self, src: int, dst: int) -> np.ndarray:
-        """Uncompressed forward seconds per cut position (what adaptive ratios scale with)."""
-        return self.topo.latency[src, dst] + self.cut / self.topo.bandwidth[src, dst]
+
+@dataclass(frozen=True)
+class SlotPairs:
+    """Every (slot a, slot b) link of a peer sequence, as arrays of shape ``[a, b, 1]``."""
+
+    src: np.ndarray  # [a, 1]: each slot's peer
+    dst: np.ndarray  # [1, b]
+    used: np.ndarray  # b comes after a, on another peer
+    latency: np.ndarray  # a -> b
+    latency_back: np.ndarray  # b -> a
+    bandwidth: np.ndarray
+    bandwidth_back: np.ndarray
+    codec: tuple[np.ndarray, np.ndarray]  # Top-K coding, both sides: per dense element, per kept entry

@@ -213,15 +213,16 @@ def estimate(
         raise PlanningError(
             f"nodes without a stage: {[dag.nodes[i].id for i in np.flatnonzero(owner < 0)][:5]}"
         )
-    traffic = dag.traffic(owner.tolist())
+    traffic = dag.traffic(owner)
     for a, b in traffic:
         if a > b:
             raise PlanningError(f"stage {a} sends to earlier stage {b}: order stages topologically")
 
     n_b = cost.n_micro_batches
     peers = [s.peer for s in stages]
-    fwd = np.array([sum(dag.nodes[i].fwd_flops for i in s.nodes) / topo.speed[s.peer] for s in stages])
-    bwd = np.array([sum(dag.nodes[i].bwd_flops for i in s.nodes) / topo.speed[s.peer] for s in stages])
+    speed = topo.speed[peers]
+    fwd = dag.stage_sums(owner, len(stages), "fwd_flops") / speed
+    bwd = dag.stage_sums(owner, len(stages), "bwd_flops") / speed
 
     pairs = sorted(traffic)
     remote = [(a, b) for a, b in pairs if peers[a] != peers[b]]
@@ -302,10 +303,11 @@ def estimate(
 
     in_flight = stage_in_flight(n_b, peers)
     control = step_round_trip(dag, topo, stages)
+    params = dag.stage_sums(owner, len(stages), "param_bytes")
+    saved = dag.stage_sums(owner, len(stages), "saved_bytes")
     memory = [
-        cost.param_multiplier * sum(dag.nodes[i].param_bytes for i in s.nodes)
-        + held * sum(dag.nodes[i].saved_bytes for i in s.nodes)
-        for s, held in zip(stages, in_flight, strict=True)
+        cost.param_multiplier * float(p) + held * float(s)
+        for p, s, held in zip(params, saved, in_flight, strict=True)
     ]
     per_peer: dict[int, float] = {}
     for k, p in enumerate(peers):

@@ -138,24 +138,24 @@ def _clone(
     return out
 
 
-def _group(topo: Topology, r: int, owner: int | None) -> list[int]:
-    """The peers replica 0 is planned on: the first ``1/r`` of the peers (the data owner
-    aside) taken cluster by cluster, the cluster with the most compute first and its
-    fastest peers first, so a replica sits in one bandwidth cluster where it has room and
-    every replica has as many peers to take."""
+def _by_cluster(topo: Topology, owner: int | None) -> list[int]:
+    """The peers (the data owner aside) cluster by cluster, the cluster with the most
+    compute first and its fastest peers first."""
     clusters = cluster_peers(topo)
     clusters.sort(key=lambda c: (-float(sum(topo.speed[p] for p in c)), c[0]))
-    order = [p for c in clusters for p in sorted(c, key=lambda p: (-float(topo.speed[p]), p)) if p != owner]
-    return order[: max(1, len(order) // r)]
+    return [p for c in clusters for p in sorted(c, key=lambda p: (-float(topo.speed[p]), p)) if p != owner]
 
 
 def _plan_r(
-    dag: OpDag, topo: Topology, cost: CostConfig, r: int, frame: OwnerFrame | None
+    dag: OpDag, topo: Topology, cost: CostConfig, r: int, frame: OwnerFrame | None, order: list[int]
 ) -> ReplicaPlan | None:
+    """R replicas; replica 0 is planned on the first ``1/r`` of ``order`` (``_by_cluster``),
+    so it sits in one bandwidth cluster where that has room and every replica has as many
+    peers to take."""
     owner = frame.owner if frame is not None else None
     per_replica = dataclasses.replace(cost, n_micro_batches=cost.n_micro_batches // r)
     shared = shared_owner(topo, owner, r) if owner is not None else topo
-    group = _group(topo, r, owner)
+    group = order[: max(1, len(order) // r)]
     members = group if owner is None else [owner, *group]
     sub = shared.subset([topo.peer_ids[p] for p in members])
     sub_frame = None if frame is None else OwnerFrame(0, frame.part)
@@ -215,8 +215,9 @@ def plan_replicas(
     else:
         raise PlanningError(f"replicas must be 'auto' or a positive number, got {replicas!r}")
     best: ReplicaPlan | None = None
+    order = _by_cluster(topo, frame.owner if frame is not None else None)
     for r in tries:
-        plan = _plan_r(dag, topo, cost, r, frame)
+        plan = _plan_r(dag, topo, cost, r, frame, order)
         if plan is None:
             if replicas != "auto":
                 raise PlanningError(f"{r} replicas of the plan do not fit the swarm's {len(topo)} peers")

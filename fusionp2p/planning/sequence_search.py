@@ -79,71 +79,78 @@ def _dp_caps(
     l's value from e. ``via`` does not depend on s, so it is made once per position, as
     soon as the values from that position are known: m^2 work per position, not per pair
     of positions. Ties go to the first follower depth, then the lowest slot, then the
-    earliest cut, as a search over every (l, e) in that order would pick.
+    earliest cut, as a search over every (l, e) in that order would pick: each choice is
+    kept as one key, ``(follower * m + l) * K + e``, so one ``min`` both picks and breaks
+    ties. Everything the loop reads is laid out per position beforehand (the caps, and
+    the rule that a follower's slot comes later), so each step is a few whole-array ops.
     """
     depth, m, k1, _ = stage.shape
     last = k1 - 1
     bottleneck = caps is None
     n_caps = 1 if caps is None else len(caps)
-    cap = np.full((n_caps, 1, 1), np.inf) if caps is None else np.asarray(caps, dtype=float)[:, None, None]
-    value = np.full((n_caps, depth + 1, m, k1), np.inf)  # [c, d, j, s]: positions s.., first stage on j
+    cap = np.full(1, np.inf) if caps is None else np.asarray(caps, dtype=float)
+    later = np.triu(np.ones((m, m), dtype=bool), 1)  # [j, l]: slot l comes after slot j
+    by_cut = link_max.transpose(2, 0, 1)  # [e, j, l]
+    if bottleneck:  # [c, e, j, 1, l]: what the link j -> l at e adds to l's value
+        hop = np.where(later, by_cut, np.inf)[None, :, :, None]
+    else:
+        allowed = later & (by_cut[None] <= cap[:, None, None, None])
+        hop = np.where(allowed, link_fill.transpose(2, 0, 1)[None], np.inf)[:, :, :, None]
+    by_start = np.ascontiguousarray(stage.transpose(2, 3, 0, 1))  # [s, e, d, j]
+    cap_of = cap[:, None, None, None]
+    rows = np.arange(n_caps * depth * m)
+    value = np.full((n_caps, k1, depth + 1, m), np.inf)  # [c, s, d, j]: positions s.., first stage on j
     # (depth row ``depth``: no stage, for a follower depth that does not exist)
-    back = np.full((n_caps, depth, m, k1, 3), -1, dtype=int)  # the next stage's slot, start and depth
-    via = np.full((n_caps, depth, m, k1), np.inf)  # [c, d, j, e]: the best continuation from cut e
-    via_rank = np.zeros((n_caps, depth, m, k1), dtype=int)  # its follower (0 or 1) * m + its slot
+    back = np.full((n_caps, k1, depth, m), -1, dtype=np.int64)  # the key of the next stage, -1: none
+    via = np.full((n_caps, k1, depth, m), np.inf)  # [c, e, d, j]: the best continuation from cut e
+    via_key = np.zeros((n_caps, k1, depth, m), dtype=np.int64)  # its key
     first, second = _followers(depth)
     dn_of = np.where(np.stack([first, second]) >= 0, np.stack([first, second]), depth)  # [which, d]
-    earlier = ~np.triu(np.ones((m, m), dtype=bool), 1)  # [j, l]: slot l does not come after slot j
-    levels = np.arange(depth)[None, :, None]
-
-    def continuation(e: int) -> None:
-        """``via[..., e]`` from the values at e: the best over (follower depth, slot l)."""
-        prev = value[..., e][:, dn_of][:, :, :, None, :]  # [c, which, d, 1, l]
-        lk_max = link_max[:, :, e]  # [j, l]
-        if bottleneck:
-            cand = np.maximum(prev, lk_max)
-        else:
-            cand = np.where(lk_max <= cap[:, :, :, None, None], prev + link_fill[:, :, e], np.inf)
-        cand = np.where(earlier, np.inf, cand).transpose(0, 2, 3, 1, 4).reshape(n_caps, depth, m, 2 * m)
-        rank = np.argmin(cand, axis=3)  # which * m + l: the first follower, then the lowest slot
-        via_rank[..., e] = rank
-        via[..., e] = np.take_along_axis(cand, rank[..., None], axis=3)[..., 0]
+    follower_depth = dn_of.T  # [d, which]
+    none_key = 2 * m * k1
+    alone = stage[0, :, :, last].T  # [s, j]: the last stage holds one micro-batch
+    alone = np.where(alone[None] <= cap[:, None, None], alone[None], np.inf)  # [c, s, j]
 
     for s in range(last - 1, -1, -1):
-        alone = stage[0, :, s, last]  # the last stage holds one micro-batch
-        value[:, 0, :, s] = np.where(alone <= cap[:, 0], alone, np.inf)
+        here = value[:, s]
+        here[:, 0] = alone[:, s]
         if s + 1 < last and m >= 2:
-            st = stage[:, :, s, s + 1 : last]  # [d, j, e]
-            cont = via[..., s + 1 : last]  # [c, d, j, e]
-            cand = np.maximum(cont, st) if bottleneck else np.where(st <= cap[..., None], cont + st, np.inf)
-            found = cand.min(axis=3)  # [c, d, j]
-            ranks = via_rank[..., s + 1 : last]
-            key = np.where(cand == found[..., None], ranks * k1, m * 2 * k1)
-            cut = np.argmin(key + np.arange(cand.shape[3]), axis=3)  # the lowest (rank, e) among ties
-            better = found < value[:, :depth, :, s]
-            rank = np.take_along_axis(ranks, cut[..., None], axis=3)[..., 0]
-            value[:, :depth, :, s] = np.where(better, found, value[:, :depth, :, s])
-            for col, new in enumerate((rank % m, cut + s + 1, dn_of[rank // m, levels])):
-                back[:, :, :, s, col] = np.where(better, new, back[:, :, :, s, col])
-        continuation(s)
-    return [_walk(value[c, :depth], back[c], last) for c in range(n_caps)]
+            cont = via[:, s + 1 : last]  # [c, e, d, j]
+            st = by_start[s, s + 1 : last][None]
+            cand = np.maximum(cont, st) if bottleneck else np.where(st <= cap_of, cont + st, np.inf)
+            found = cand.min(axis=1)  # [c, d, j]
+            key = np.where(cand == found[:, None], via_key[:, s + 1 : last], none_key).min(axis=1)
+            better = found < here[:, :depth]
+            here[:, :depth] = np.where(better, found, here[:, :depth])
+            back[:, s] = np.where(better, key, -1)
+        # via[:, s]: the best over (follower depth, slot l) from the values at s
+        prev = here[:, follower_depth][:, :, None]  # [c, d, 1, which, l]
+        hops = hop[:, s][:, None]  # [c, 1, j, 1, l]
+        cand = (np.maximum(prev, hops) if bottleneck else prev + hops).reshape(rows.size, 2 * m)
+        rank = cand.argmin(axis=1)  # the first follower, then the lowest slot
+        via[:, s] = cand[rows, rank].reshape(n_caps, depth, m)
+        via_key[:, s] = (rank * k1 + s).reshape(n_caps, depth, m)
+    return [_walk(value[c, :, :depth], back[c], dn_of, last) for c in range(n_caps)]
 
 
-def _walk(value: np.ndarray, back: np.ndarray, last: int) -> tuple[float, Triples]:
-    """The best value from position 0 and its stages, followed through ``back``."""
-    depth, m = value.shape[:2]
-    d, j = (int(x) for x in np.unravel_index(int(np.argmin(value[:, :, 0])), (depth, m)))
-    total = float(value[d, j, 0])
+def _walk(value: np.ndarray, back: np.ndarray, dn_of: np.ndarray, last: int) -> tuple[float, Triples]:
+    """The best value from position 0 and its stages, followed through ``back`` (keys, as
+    ``_dp_caps`` makes them)."""
+    k1, depth, m = value.shape
+    d, j = (int(x) for x in np.unravel_index(int(np.argmin(value[0])), (depth, m)))
+    total = float(value[0, d, j])
     if not math.isfinite(total):
         return total, []
     out, s = [], 0
     while True:
-        nxt, e, dn = (int(x) for x in back[d, j, s])
-        if nxt < 0:
+        key = int(back[s, d, j])
+        if key < 0:
             out.append((j, s, last))
             return total, out
+        rank, e = divmod(key, k1)
+        which, nxt = divmod(rank, m)
         out.append((j, s, e))
-        j, s, d = nxt, e, dn
+        j, s, d = nxt, e, int(dn_of[which, d])
 
 
 def _dp(
@@ -246,35 +253,26 @@ def search_sequence(
     budget: float | None = None
     fastest, n_links = 0.0, 1
     stage = _pin(_stage_depths(ch, seq, cost.n_micro_batches, pos), frame, pos, inner)
-    m = len(seq)
+    pairs = ch.slot_pairs(seq)
     for _ in range(passes):  # later passes: adaptive reference and planned budget from the previous
-        link_f = np.zeros((m, m, len(pos)))
-        link_b = np.zeros((m, m, len(pos)))
-        busy_f = np.zeros((m, m, len(pos)))  # what the link is occupied for: latency is in flight
-        busy_b = np.zeros((m, m, len(pos)))
-        for a, pa in enumerate(seq):
-            for b, pb in enumerate(seq):
-                if a >= b or pa == pb:  # the data owner's head and tail need no link
-                    continue
-                if policy.kind == "none":
-                    ratio: np.ndarray | float = 1.0
-                elif policy.kind == "planned" and budget is None:  # first pass: the most it may compress
-                    ratio = policy.max_ratio
-                elif policy.kind == "planned" and budget is not None:
-                    bw = min(topo.bandwidth[pa, pb], topo.bandwidth[pb, pa])
-                    lat = max(topo.latency[pa, pb], topo.latency[pb, pa])
-                    link_budget = planned_budgets(lat, budget, fastest, n_links, policy)
-                    ratio = planned_ratios(
-                        ch.cut, bw, lat, link_budget, policy, cost.wire, topo.link_codec(pa, pb)
-                    )
-                elif policy.kind == "uniform" or t_ref is None:
-                    ratio = policy.ratio
-                else:
-                    ratio = np.clip(policy.ratio * ch.dense_time(pa, pb) / t_ref, 1.0, policy.max_ratio)
-                f, bk = ch.link_times(pa, pb, ratio)
-                link_f[a, b], link_b[a, b] = f[pos], bk[pos]
-                busy_f[a, b] = f[pos] - topo.latency[pa, pb] if pa != pb else 0.0
-                busy_b[a, b] = bk[pos] - topo.latency[pb, pa] if pa != pb else 0.0
+        ratio: np.ndarray | float
+        if policy.kind == "none":
+            ratio = 1.0
+        elif policy.kind == "planned" and budget is None:  # first pass: the most it may compress
+            ratio = policy.max_ratio
+        elif policy.kind == "planned" and budget is not None:
+            bw = np.minimum(pairs.bandwidth, pairs.bandwidth_back)
+            lat = np.maximum(pairs.latency, pairs.latency_back)
+            link_budget = planned_budgets(lat, budget, fastest, n_links, policy)
+            with np.errstate(divide="ignore", invalid="ignore"):  # a peer's link to itself is not used
+                ratio = planned_ratios(ch.cut[pos], bw, lat, link_budget, policy, cost.wire, pairs.codec)
+        elif policy.kind == "uniform" or t_ref is None:
+            ratio = policy.ratio
+        else:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                dense_t = pairs.latency + ch.cut[pos] / pairs.bandwidth
+            ratio = np.clip(policy.ratio * dense_t / t_ref, 1.0, policy.max_ratio)
+        link_f, link_b, busy_f, busy_b = ch.link_matrices(pairs, pos, ratio)
         link_fill, link_max = link_f + link_b, np.maximum(busy_f, busy_b)
         b_star, _ = _dp_depths(stage, link_fill, link_max, None)
         if not math.isfinite(b_star):
