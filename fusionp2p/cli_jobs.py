@@ -199,6 +199,7 @@ def format_jobs(
                 f"->{b} " + ("dense" if v <= 1 else f"Top-K 1/{v:.0f}") for b, v in sorted(r.links_to.items())
             )
             averaging = f"  averaging ~{r.averaging_s * 1e3:.0f} ms" if r.averaging_s else ""
+            averaging += f" in {r.averaging_codec}" if r.averaging_s and r.averaging_codec != "none" else ""
             rows.append(
                 f"    stage {r.stage} {r.peer_id[-8:]} {state:<8} {n_nodes:>4} nodes  {took:>12}  "
                 f"{ratios}{averaging}"

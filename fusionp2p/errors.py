@@ -24,6 +24,7 @@ __all__ = [
     "ProfileError",
     "ProtocolError",
     "RecordError",
+    "ReplicasDiverged",
     "SwarmError",
 ]
 
@@ -42,6 +43,10 @@ class RecordError(FusionP2PError, ValueError):
 
 class ProtocolError(FusionP2PError):
     """A peer broke a stream protocol: wrong frame kind, oversized frame, bad order."""
+
+
+class ReplicasDiverged(ProtocolError):
+    """Data-parallel replicas of a job hold different parameters for one stage."""
 
 
 class LimitError(FusionP2PError):

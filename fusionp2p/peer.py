@@ -247,6 +247,7 @@ class Peer:
             owner=owner,
             members=setup.averaging_peers,
             generation=setup.generation,
+            codec=setup.averaging_codec,
         )
 
     def _jobs_changed(self) -> None:

@@ -440,6 +440,9 @@ def test_a_replicated_setup_names_its_group_and_the_peers_it_averages_with() -> 
     ):
         with pytest.raises(RecordError, match=r"replica|averaging peers|group"):
             _setup({**good, **wrong})
+    assert _setup({**good, "averaging_codec": "fp16"}).averaging_codec == "fp16"
+    with pytest.raises(RecordError, match="averaging codec 'int4' is not one of"):
+        _setup({**good, "averaging_codec": "int4"})
 
 
 def test_a_replica_group_names_this_stage_among_the_replicas_left() -> None:

@@ -118,6 +118,7 @@ def test_a_job_file_names_the_bad_field_in_one_line() -> None:
             'job.toml: [train] replicas: replicas are planned by "op-fence"'
         ),
         "[train]\nrefresh_s = -1\n": "job.toml: [train] refresh_s: must be a number",
+        "[train]\naveraging = 'int8'\n": "job.toml: [train] averaging: one of none, fp16, auto, not 'int8'",
     }
     for text, message in cases.items():
         with pytest.raises(ConfigError) as refused:
@@ -191,6 +192,11 @@ def test_a_job_request_speaks_only_for_its_sender() -> None:
         dataclasses.replace(request, replicas=2, method="equal-number")
     auto = dataclasses.replace(request, replicas=0)  # "auto": the coordinator picks
     assert JobRequest.from_wire(auto.to_wire()).replicas == 0
+    fp16 = dataclasses.replace(auto, averaging="fp16")
+    assert JobRequest.from_wire(fp16.to_wire()).averaging == "fp16"
+    for wrong in ("int8", "", 16, None):
+        with pytest.raises(RecordError, match="averaging"):
+            JobRequest.from_wire(msgpack.packb({**fp16.to_body(), "averaging": wrong}))
 
 
 @pytest.mark.parametrize(

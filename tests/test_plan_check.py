@@ -136,3 +136,5 @@ def test_a_replica_averages_only_with_the_peers_the_plan_gives_its_stage() -> No
         _check(_replica_setup(0, replicas=3, averaging_peers=(B, D, E)), me=B)
     with pytest.raises(ProtocolError, match="not the name of replica 1"):
         _check(_replica_setup(1, job="job-1-r7"), me=D)
+    with pytest.raises(ProtocolError, match="averages with codec 'fp16', the plan with \\['none'\\]"):
+        _check(_replica_setup(0, averaging_codec="fp16"), me=B)  # the plan sends fp32

@@ -3,12 +3,13 @@ replicated job divides its micro-batches."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 
-from fusionp2p.errors import ConfigError
+from fusionp2p.errors import ConfigError, RecordError
 from fusionp2p.opdag import TransformerShape, transformer_dag
 from fusionp2p.opdag.offline import OfflineModel, offline_dag
 from fusionp2p.planning import (
@@ -20,7 +21,7 @@ from fusionp2p.planning import (
     synthetic_swarm,
 )
 from fusionp2p.planning.owner import OwnerFrame, owner_part
-from fusionp2p.planning.replicas import averaging_seconds, plan_replicas, shared_owner
+from fusionp2p.planning.replicas import AUTO_AVERAGING_SHARE, averaging_seconds, plan_replicas, shared_owner
 from fusionp2p.planning.replicated_plan import ReplicatedPlan, plan_replicated_job
 from fusionp2p.records import PlanStageRecord, replica_job
 from fusionp2p.runtime.job_setup import JobOptions
@@ -164,3 +165,57 @@ def test_a_replicated_plan_is_published_replica_by_replica_and_read_back_as_plan
     assert {
         r.plan_id for r in one.to_records(job="run-1", epoch=3, made_by="", made_at=1.0, data_owner=owner)
     } == {"run-1"}
+
+
+def test_averaging_in_fp16_halves_the_bytes_and_auto_picks_it_where_fp32_would_cost_a_tenth_of_a_step() -> (
+    None
+):
+    dag = transformer_dag(GPT, seq_len=256, micro_batch=4, granularity="block")
+    gigabit = _uniform(8, gbit=1.0, tflops=1.0)
+    fp32 = plan_replicas(dag, gigabit, DENSE, 2)
+    fp16 = plan_replicas(dag, gigabit, dataclasses.replace(DENSE, averaging="fp16"), 2)
+    assert fp16.averaging_codecs == ("fp16",) * len(fp16.replicas[0])
+    for k, stage in enumerate(fp16.replicas[0]):
+        grad_bytes = sum(dag.nodes[i].param_bytes for i in stage.nodes)
+        group = [rep[k].peer for rep in fp16.replicas]
+        assert fp16.averaging_s[k] == pytest.approx(averaging_seconds(grad_bytes / 2, group, gigabit))
+        assert fp16.averaging_s[k] < fp32.averaging_s[k]
+    auto = dataclasses.replace(DENSE, averaging="auto")
+    for gbit, want in ((0.1, "fp16"), (1000.0, "none")):  # slow links: averaging dominates the step
+        topo = _uniform(8, gbit=gbit, tflops=1.0)
+        plan = plan_replicas(dag, topo, auto, 2)
+        assert set(plan.averaging_codecs) == {want}
+        step = max(e.expected_s for e in plan.estimates)
+        for k, stage in enumerate(plan.replicas[0]):
+            dense = averaging_seconds(
+                sum(dag.nodes[i].param_bytes for i in stage.nodes),
+                [rep[k].peer for rep in plan.replicas],
+                topo,
+            )
+            assert (plan.averaging_codecs[k] == "fp16") == (dense > AUTO_AVERAGING_SHARE * step)
+    with pytest.raises(ConfigError, match="averaging must be one of"):
+        CostConfig(averaging="int4")
+
+
+def test_the_averaging_codecs_travel_in_the_plan_records() -> None:
+    dag = offline_dag(
+        OfflineModel(
+            "gpt2", {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256}, seq_len=32, trace=True
+        )
+    )
+    topo = _uniform(9)
+    owner = topo.peer_ids[0]
+    cost = dataclasses.replace(DENSE, averaging="fp16")
+    planned = plan_replicated_job(dag, topo, owner, replicas=2, cost=cost)
+    codecs = planned.averaging_codecs
+    assert codecs[0] == codecs[-1] == "none" and set(codecs[1:-1]) == {"fp16"}  # the data owner's: in memory
+    records = planned.to_records(
+        job="run-2", epoch=1, made_by=topo.peer_ids[1], made_at=1.0, data_owner=owner
+    )
+    by_job: dict[str, list[PlanStageRecord]] = {}
+    for record in records:
+        by_job.setdefault(record.plan_id, []).append(record)
+    read = ReplicatedPlan.from_records([by_job["run-2-r0"], by_job["run-2-r1"]], dag, topo, cost, owner)
+    assert read.averaging_codecs == codecs
+    with pytest.raises(RecordError, match="averaging codec 'int4'"):
+        dataclasses.replace(records[0], averaging_codec="int4")

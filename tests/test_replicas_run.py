@@ -18,6 +18,7 @@ from fusionp2p.launch import LocalSwarm
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.spec import build_model
 from fusionp2p.records import ModelSpec
+from fusionp2p.runtime.averaging import CODEC_RTOL, FINGERPRINT_RTOL, fingerprint_distance
 from fusionp2p.runtime.job_setup import JobOptions
 from fusionp2p.runtime.losses import LOSSES
 from fusionp2p.swarm import Swarm
@@ -96,6 +97,30 @@ def test_two_replicas_train_as_one_process_on_the_global_batch(swarm: Swarm) -> 
         reference = dict(one.model.named_parameters(remove_duplicate=False))
         for name, value in pipe.fetch("params").items():
             torch.testing.assert_close(value, reference[name].detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_replicas_that_average_in_fp16_stay_within_its_rounding_of_one_process(swarm: Swarm) -> None:
+    """The peers' stages average through hivemind's fp16 codec (half the bytes): the losses
+    stay within fp16's rounding of one process's, and the replicas' parameters, which
+    hivemind's all-reduce leaves apart by that rounding, agree within ``CODEC_RTOL["fp16"]``
+    though not within fp32's tolerance."""
+    one = _OneProcess()
+    options = JobOptions(
+        n_micro_batches=N_MB, optimizer=OPT, timeout=120, averaging_codecs=("none", "fp16", "fp16")
+    )
+    with swarm.data_owner().pipeline(GPT2, n_stages=3, replicas=2, options=options, registry=LOCAL) as pipe:
+        assert [s.averaging_codec for s in pipe.driver.setups] == ["none", "fp16", "fp16"]
+        for step in range(STEPS):
+            want = one.step(_batches(step))
+            got = pipe.run_iteration(_batches(step))
+            pipe.step()
+            assert got == pytest.approx(want, rel=2e-2, abs=1e-3), step
+            assert [group for _, group in pipe.stage_averaging()] == [2, 2, 2]
+        pipe.check_replicas(timeout=120)  # within fp16's tolerance
+        first, second = (swarm.call(replica.fingerprints()) for replica in pipe.driver.replicas)
+        apart = [fingerprint_distance(first[s], second[s]) for s in (1, 2)]
+        assert max(apart) > FINGERPRINT_RTOL and max(apart) <= CODEC_RTOL["fp16"], apart
+        assert fingerprint_distance(first[0], second[0]) == 0.0  # this process's copies: averaged exactly
 
 
 def test_replicas_need_their_own_peers(swarm: Swarm) -> None:

@@ -11,8 +11,9 @@ from fusionp2p.errors import CoordinatorError
 from fusionp2p.opdag import TransformerShape, transformer_dag
 from fusionp2p.planning import CostConfig, Plan, Topology, plan_job, synthetic_swarm
 from fusionp2p.planning.baselines import baseline_plan
-from fusionp2p.records import JobReply, JobRequest, ModelSpec
-from fusionp2p.training.verify import check_reply_records, verified_plan
+from fusionp2p.planning.replicated_plan import ReplicatedPlan, plan_replicated_job
+from fusionp2p.records import JobReply, JobRequest, ModelSpec, PlanStageRecord, replica_job
+from fusionp2p.training.verify import check_reply_records, verified_plan, verified_replicas
 
 DAG = transformer_dag(
     TransformerShape("gpt2", 8, 512, 8, 256, 128, 2048, 4, True),
@@ -142,3 +143,24 @@ def test_a_direction_the_coordinator_took_from_its_reverse_is_not_held_to_a_reco
     )
     with pytest.raises(CoordinatorError, match="cited at"):
         check_reply_records(lying, request, live, signed, [lk.dst for lk in request.owner_links])
+
+
+def test_replicas_that_average_with_other_codecs_than_op_fence_picks_are_refused() -> None:
+    """The averaging codec is part of the plan: a coordinator that has the replicas send
+    fp16 where the job asked for fp32 (or the reverse) is caught like any other lie."""
+    request, reply, topo = _swarm()
+    request = dataclasses.replace(request, replicas=2, n_micro_batches=4)
+    reply = dataclasses.replace(reply, replicas=2)
+    owner = request.owner.peer_id
+    honest = plan_replicated_job(DAG, topo, owner, replicas=2, cost=COST)
+
+    def published(plan: ReplicatedPlan) -> list[list[PlanStageRecord]]:
+        records = plan.to_records(job="job-1", epoch=1, made_by=COORDINATOR, made_at=0.0, data_owner=owner)
+        return [[r for r in records if r.plan_id == replica_job("job-1", k, 2)] for k in range(2)]
+
+    accepted, _ = verified_replicas(published(honest), DAG, reply, request, COST)
+    assert accepted.averaging_codecs == honest.averaging_codecs
+    assert set(honest.averaging_codecs) == {"none"}  # the job asked for fp32 (the default)
+    lied = dataclasses.replace(honest, averaging_codecs=("fp16",) * len(honest.averaging_codecs))
+    with pytest.raises(CoordinatorError, match="other codecs"):
+        verified_replicas(published(lied), DAG, reply, request, COST)

@@ -330,6 +330,7 @@ class Coordinator:
         cost = CostConfig(
             n_micro_batches=request.n_micro_batches,
             compression=compression_policy(request.compression, request.max_ratio),
+            averaging=request.averaging,
         )
         plan, peers, links = await asyncio.to_thread(self._plan_over, request, dag, found, cost)
         epoch = await self._publish(request, plan)

@@ -9,8 +9,9 @@ same OP-DAG for the same micro-batch count; and the setup is the plan as a runti
 it (``planning.plan_layout``): the same peers in the same order, every OP-DAG position on
 the same stage, this stage's Top-K ratios and its micro-batches in flight. A stage of a
 replicated job checks its replica's plan so, and that every peer it is to average its
-gradients with runs the same stage in its own replica's plan of the same epoch. A plan from an
-older epoch, or signed by anyone else, counts for nothing.
+gradients with runs the same stage in its own replica's plan of the same epoch, with the
+codec the plan gives it. A plan from an older epoch, or signed by anyone else, counts for
+nothing.
 """
 
 from __future__ import annotations
@@ -102,6 +103,12 @@ async def check_planned_setup(
         )
     if setup.replicas > 1:
         _check_averaging_group(setup, plans, lease.epoch, lease.holder, sender)
+        codecs = {r.averaging_codec for r in records if r.peer_id == me}
+        if codecs != {setup.averaging_codec}:
+            raise ProtocolError(
+                f"job {job}: the setup averages with codec {setup.averaging_codec!r}, the plan with "
+                f"{sorted(codecs)}"
+            )
 
 
 def _check_averaging_group(

@@ -21,7 +21,7 @@ from typing import Literal
 import numpy as np
 
 from fusionp2p.errors import ConfigError
-from fusionp2p.records import COMPRESSIONS, MAX_TOPK_RATIO
+from fusionp2p.records import AVERAGING_CHOICES, COMPRESSIONS, MAX_TOPK_RATIO
 
 __all__ = [
     "NO_COMPRESSION",
@@ -229,12 +229,17 @@ class CostConfig:
     wire: WireFormat = WIRE
     optimizer_states: int = 2  # AdamW keeps two moments per parameter
     memory_headroom: float = 0.9  # plan at most this share of a peer's free memory
+    averaging: str = "none"  # replicas' gradients on the wire: records.AVERAGING_CODECS, or "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.n_micro_batches, int) or self.n_micro_batches < 1:
             raise ConfigError(f"CostConfig.n_micro_batches must be >= 1, got {self.n_micro_batches!r}")
         if not 0 < self.memory_headroom <= 1:
             raise ConfigError(f"CostConfig.memory_headroom must be in (0, 1], got {self.memory_headroom}")
+        if self.averaging not in AVERAGING_CHOICES:
+            raise ConfigError(
+                f"CostConfig.averaging must be one of {AVERAGING_CHOICES}, got {self.averaging!r:.40}"
+            )
 
     @property
     def param_multiplier(self) -> int:

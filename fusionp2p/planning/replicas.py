@@ -19,6 +19,10 @@ overlapped with the next step's forward: a bound the runtime can only beat). ``"
 tries every R that divides ``n_b`` and keeps the one with the most micro-batches per
 second, the smallest R on a tie.
 
+The gradients go on the wire as ``cost.averaging`` says (``records.AVERAGING_CODECS``:
+fp32, or fp16 through hivemind's codec); with ``"auto"``, a stage averages in fp16 where
+in fp32 its all-reduce would take more than ``AUTO_AVERAGING_SHARE`` of the step.
+
 Several data owners, each feeding its own replicas from its own private data, fit this
 shape: each is the frame of its own replicas; the averaging groups then span the data
 owners' replicas. Planning them together is not done yet.
@@ -38,8 +42,19 @@ from fusionp2p.planning.estimate import Estimate, Stage, estimate
 from fusionp2p.planning.opfence import op_fence
 from fusionp2p.planning.owner import OwnerFrame
 from fusionp2p.planning.topology import PlanningError, Topology
+from fusionp2p.records import AVERAGING_CODECS
 
-__all__ = ["ReplicaPlan", "averaging_seconds", "plan_replicas", "shared_owner"]
+__all__ = [
+    "AUTO_AVERAGING_SHARE",
+    "ReplicaPlan",
+    "averaging_codec",
+    "averaging_seconds",
+    "plan_replicas",
+    "shared_owner",
+]
+
+AUTO_AVERAGING_SHARE = 0.1  # "auto" averaging: fp16 where fp32 would take more than this share of a step
+_DENSE = AVERAGING_CODECS["none"]
 
 _CANDIDATES = 48  # OP-Fence's candidates for one pipeline; a replica of R searches 1/R of them ...
 _MIN_CANDIDATES = 12  # ... but never fewer than this
@@ -53,6 +68,7 @@ class ReplicaPlan:
     estimates: tuple[Estimate, ...]  # each replica's, with the data owner shared R ways
     averaging_s: tuple[float, ...]  # per stage position: its gradients' all-reduce (0: the data owner's)
     n_micro_batches: int  # per replica: the global n_b / R
+    averaging_codecs: tuple[str, ...] = ()  # per stage position: how its gradients go on the wire
 
     @property
     def step_s(self) -> float:
@@ -68,10 +84,10 @@ class ReplicaPlan:
 
 
 def averaging_seconds(grad_bytes: float, peers: Sequence[int], topo: Topology) -> float:
-    """Seconds of an all-reduce of ``grad_bytes`` among ``peers`` as hivemind's averager
-    does it: each peer owns ``1/R`` of the vector, sends every other part to its owner and
-    receives the averaged parts back, over the slowest link between two of them. Dense:
-    the averager sends gradients uncompressed, whatever the pipeline links' Top-K ratio."""
+    """Seconds of an all-reduce of ``grad_bytes`` (as sent: fp16 halves them) among
+    ``peers`` as hivemind's averager does it: each peer owns ``1/R`` of the vector, sends
+    every other part to its owner and receives the averaged parts back, over the slowest
+    link between two of them. No Top-K: the pipeline links' ratios do not apply."""
     r = len(peers)
     if r < 2 or grad_bytes <= 0:
         return 0.0
@@ -79,6 +95,17 @@ def averaging_seconds(grad_bytes: float, peers: Sequence[int], topo: Topology) -
     slowest = min(float(topo.bandwidth[a, b]) for a, b in pairs)
     latency = max(float(topo.latency[a, b]) for a, b in pairs)
     return 2 * (r - 1) / r * grad_bytes / slowest + 2 * latency
+
+
+def averaging_codec(
+    choice: str, grad_bytes: float, peers: Sequence[int], topo: Topology, step_s: float
+) -> str:
+    """The codec a stage's replicas average with: ``choice``, or for ``"auto"`` fp16 where
+    fp32 would take more than ``AUTO_AVERAGING_SHARE`` of a step of ``step_s``."""
+    if choice != "auto":
+        return choice
+    dense = averaging_seconds(grad_bytes, peers, topo)
+    return "fp16" if dense > AUTO_AVERAGING_SHARE * step_s else "none"
 
 
 def shared_owner(topo: Topology, owner: int, ways: int) -> Topology:
@@ -178,13 +205,25 @@ def _plan_r(
     estimates = [estimate(dag, shared, stages, per_replica) for stages in replicas]
     if not all(math.isfinite(e.iteration_s) for e in estimates):
         return None
-    averaging = []
+    step_s = max(e.expected_s for e in estimates)
+    averaging, codecs = [], []
     for k, stage in enumerate(template):
         grad_bytes = float(sum(dag.nodes[i].param_bytes for i in stage.nodes))
         group = [rep[k].peer for rep in replicas]
-        averaging.append(0.0 if stage.peer == owner else averaging_seconds(grad_bytes, group, topo))
+        codec = (
+            "none"
+            if stage.peer == owner
+            else averaging_codec(cost.averaging, grad_bytes, group, topo, step_s)
+        )
+        sent = grad_bytes * AVERAGING_CODECS[codec] / _DENSE
+        averaging.append(0.0 if stage.peer == owner else averaging_seconds(sent, group, topo))
+        codecs.append(codec)
     return ReplicaPlan(
-        tuple(tuple(rep) for rep in replicas), tuple(estimates), tuple(averaging), per_replica.n_micro_batches
+        tuple(tuple(rep) for rep in replicas),
+        tuple(estimates),
+        tuple(averaging),
+        per_replica.n_micro_batches,
+        tuple(codecs),
     )
 
 

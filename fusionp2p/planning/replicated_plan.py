@@ -38,6 +38,11 @@ class ReplicatedPlan:
 
     plans: tuple[Plan, ...]  # per replica, for its share of the micro-batches
     averaging_s: tuple[float, ...]  # per plan stage: its gradients' all-reduce (0: the data owner's)
+    averaging_codecs: tuple[str, ...] = ()  # per plan stage: how they go on the wire ("none" if empty)
+
+    def averaging_codec(self, stage: int) -> str:
+        """How plan stage ``stage``'s replicas send the gradients they average."""
+        return self.averaging_codecs[stage] if self.averaging_codecs else "none"
 
     @property
     def replicas(self) -> int:
@@ -54,7 +59,13 @@ class ReplicatedPlan:
         """Every replica's records, each under its replica's job id."""
         r = self.replicas
         return [
-            dataclasses.replace(record, replicas=r, replica=k, averaging_s=self.averaging_s[record.stage])
+            dataclasses.replace(
+                record,
+                replicas=r,
+                replica=k,
+                averaging_s=self.averaging_s[record.stage],
+                averaging_codec=self.averaging_codec(record.stage),
+            )
             for k, plan in enumerate(self.plans)
             for record in plan.to_records(
                 plan_id=replica_job(job, k, r),
@@ -93,8 +104,13 @@ class ReplicatedPlan:
         shared = _shared(topo, data_owner, r)
         per = dataclasses.replace(cost, n_micro_batches=cost.n_micro_batches // r)
         plans = tuple(Plan.from_records(list(rs), dag, shared, per, method=method) for rs in replicas)
-        first = {rec.stage: rec.averaging_s for rec in replicas[0]}
-        return cls(plans, tuple(first[k] for k in range(len(first))))
+        first = {rec.stage: rec for rec in replicas[0]}
+        stages = range(len(first))
+        return cls(
+            plans,
+            tuple(first[k].averaging_s for k in stages),
+            tuple(first[k].averaging_codec for k in stages),
+        )
 
 
 def _shared(topo: Topology, data_owner: str, ways: int) -> Topology:
@@ -123,4 +139,4 @@ def plan_replicated_job(
         Plan.build("op-fence", dag, shared, stages, per, est)
         for stages, est in zip(found.replicas, found.estimates, strict=True)
     )
-    return ReplicatedPlan(plans, found.averaging_s)
+    return ReplicatedPlan(plans, found.averaging_s, found.averaging_codecs)

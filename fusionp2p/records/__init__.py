@@ -20,7 +20,14 @@ The layers and how they fit: ``docs/architecture.md``.
 from __future__ import annotations
 
 from fusionp2p.errors import RecordError
-from fusionp2p.records.coordinator import BASELINES, COMPRESSIONS, PLAN_METHODS, JobReply, JobRequest
+from fusionp2p.records.coordinator import (
+    AVERAGING_CHOICES,
+    BASELINES,
+    COMPRESSIONS,
+    PLAN_METHODS,
+    JobReply,
+    JobRequest,
+)
 from fusionp2p.records.exec import (
     CONTROL_REPLY_BYTES,
     CREDIT,
@@ -41,6 +48,7 @@ from fusionp2p.records.exec import (
 )
 from fusionp2p.records.job_ids import in_job, replica_job
 from fusionp2p.records.limits import (
+    AVERAGING_CODECS,
     MAX_EPOCH,
     MAX_MICRO_BATCHES,
     MAX_NODES,
@@ -87,6 +95,8 @@ from fusionp2p.records.tensors import (
 from fusionp2p.records.wire import MAX_RECORD_BYTES, WireRecord, unpack_body
 
 __all__ = [
+    "AVERAGING_CHOICES",
+    "AVERAGING_CODECS",
     "BASELINES",
     "CODEC_TERMS",
     "COMPRESSIONS",

@@ -25,12 +25,19 @@ from typing import Annotated, ClassVar
 
 from fusionp2p.config import NAME_RE, PEER_ID_RE
 from fusionp2p.errors import RecordError
-from fusionp2p.records.limits import MAX_MICRO_BATCHES, MAX_REPLICAS, MAX_STAGES, MAX_TOPK_RATIO
+from fusionp2p.records.limits import (
+    AVERAGING_CODECS,
+    MAX_MICRO_BATCHES,
+    MAX_REPLICAS,
+    MAX_STAGES,
+    MAX_TOPK_RATIO,
+)
 from fusionp2p.records.model import ModelSpec
 from fusionp2p.records.swarm import LinkRecord, PeerRecord
 from fusionp2p.records.wire import Limit, Range, WireRecord
 
 __all__ = [
+    "AVERAGING_CHOICES",
     "BASELINES",
     "COMPRESSIONS",
     "MAX_REPLY_RECORDS",
@@ -41,6 +48,7 @@ __all__ = [
 ]
 
 COMPRESSIONS = ("none", "uniform", "adaptive", "planned")  # a job's Top-K policy, by name
+AVERAGING_CHOICES = (*AVERAGING_CODECS, "auto")  # a job's averaging codec, by name
 BASELINES = ("equal-number", "equal-computation")  # the FusionLLM evaluation's partitions (§7.2)
 # a bare baseline plans with the job's compression, a suffixed one with its own
 PLAN_METHODS = (
@@ -79,6 +87,9 @@ class JobRequest(WireRecord):
     # data-parallel replicas of the pipeline (planning.replicas): a number that divides
     # n_micro_batches, or 0 for "auto" (the coordinator picks the most samples per second)
     replicas: Annotated[int, Range(0, MAX_REPLICAS)] = 1
+    # how the replicas send the gradients they average: one of AVERAGING_CODECS, or "auto"
+    # (per stage, the smallest that keeps its all-reduce within the replica's busiest compute)
+    averaging: str = "none"
 
     def __post_init__(self) -> None:
         if not NAME_RE.match(self.job):
@@ -91,6 +102,10 @@ class JobRequest(WireRecord):
             )
         if self.method not in PLAN_METHODS:
             raise RecordError(f"job request method must be one of {PLAN_METHODS}, got {self.method!r:.40}")
+        if self.averaging not in AVERAGING_CHOICES:
+            raise RecordError(
+                f"job request averaging must be one of {AVERAGING_CHOICES}, got {self.averaging!r:.40}"
+            )
         if self.replicas != 1 and self.method != "op-fence":
             raise RecordError(f"job request asks for replicas planned by {self.method!r:.40}: only op-fence")
         if self.replicas and self.n_micro_batches % self.replicas:

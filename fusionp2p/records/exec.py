@@ -17,7 +17,13 @@ from typing import Annotated, ClassVar
 
 from fusionp2p.config import NAME_RE, NO_WARMUP, PEER_ID_RE, OptimizerConfig, RatioWarmup
 from fusionp2p.errors import RecordError
-from fusionp2p.records.limits import MAX_MICRO_BATCHES, MAX_REPLICAS, MAX_STAGES, MAX_TOPK_RATIO
+from fusionp2p.records.limits import (
+    AVERAGING_CODECS,
+    MAX_MICRO_BATCHES,
+    MAX_REPLICAS,
+    MAX_STAGES,
+    MAX_TOPK_RATIO,
+)
 from fusionp2p.records.model import ModelSpec
 from fusionp2p.records.node_ranges import check_ranges, expand_ranges
 from fusionp2p.records.shards import NAMESPACE_RE, ShardSource
@@ -207,9 +213,14 @@ class JobSetup(WireRecord):
     # per replica, the peer that runs this stage: the only ones it averages with
     averaging_peers: Annotated[tuple[str, ...], Limit(MAX_REPLICAS)] = ()
     generation: Annotated[int, Range(0, _MAX_COUNTER)] = 0  # of the averaging group (ReplicaGroup)
+    averaging_codec: str = "none"  # how this stage sends the gradients it averages (AVERAGING_CODECS)
 
     def __post_init__(self) -> None:
         n = len(self.peers)
+        if self.averaging_codec not in AVERAGING_CODECS:
+            raise RecordError(
+                f"setup averaging codec {self.averaging_codec!r:.40} is not one of {sorted(AVERAGING_CODECS)}"
+            )
         if self.weights not in WEIGHT_SOURCES:
             raise RecordError(f"setup weights {self.weights!r:.40} is not one of {WEIGHT_SOURCES}")
         if self.run and not NAME_RE.match(self.run):

@@ -9,7 +9,7 @@ from typing import Annotated, ClassVar
 
 from fusionp2p.config import SITE_PATTERN
 from fusionp2p.errors import RecordError
-from fusionp2p.records.limits import MAX_EPOCH, MAX_REPLICAS
+from fusionp2p.records.limits import AVERAGING_CODECS, MAX_EPOCH, MAX_REPLICAS
 from fusionp2p.records.node_ranges import check_ranges
 from fusionp2p.records.wire import Range, WireRecord
 
@@ -300,10 +300,16 @@ class PlanStageRecord(WireRecord):
     replicas: int = 1
     replica: int = 0
     averaging_s: float = 0.0
+    averaging_codec: str = "none"  # how the stage's replicas send the gradients they average
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage < self.n_stages:
             raise RecordError(f"PlanStageRecord.stage {self.stage} not in [0, {self.n_stages})")
+        if self.averaging_codec not in AVERAGING_CODECS:
+            raise RecordError(
+                f"PlanStageRecord averaging codec {self.averaging_codec!r:.40} is not one of "
+                f"{sorted(AVERAGING_CODECS)}"
+            )
         if not 0 <= self.replica < self.replicas <= MAX_REPLICAS or not 0 <= self.averaging_s < 1e9:
             raise RecordError(
                 f"PlanStageRecord replica {self.replica} of {self.replicas} (at most {MAX_REPLICAS}), "

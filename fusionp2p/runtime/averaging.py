@@ -29,10 +29,13 @@ from typing import Protocol
 import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 
 from fusionp2p.errors import ConfigError
+from fusionp2p.records import AVERAGING_CODECS
 
 __all__ = [
+    "CODEC_RTOL",
     "FINGERPRINT_RTOL",
     "AveragingResult",
     "Fingerprint",
@@ -77,6 +80,12 @@ class AveragingResult:
 
 Fingerprint = tuple[float, float, float, float]
 FINGERPRINT_RTOL = 1e-4  # replicas' parameters agree within this, relative to their norm
+# hivemind's all-reduce adds the (compressed) average minus each replica's own part to it:
+# with fp16 the replicas' gradients then differ by fp16 rounding, and their parameters drift
+# apart (5.7e-4 after one AdamW step, 1.0e-3 after 300, on a 2-layer GPT: docs/training.md)
+CODEC_RTOL = {"none": FINGERPRINT_RTOL, "fp16": 1e-2}
+_CODECS: dict[str, type[CompressionBase]] = {"none": NoCompression, "fp16": Float16Compression}
+assert _CODECS.keys() == AVERAGING_CODECS.keys() == CODEC_RTOL.keys()
 
 
 def parameter_fingerprint(tensors: Sequence[torch.Tensor]) -> Fingerprint:
@@ -124,7 +133,8 @@ class StageAverager:
     wait for; ``deadline_s``: how long a step may take before this replica goes on alone.
     ``members``: the PeerIDs that may be in the group (the other replicas' owners of this
     stage); an average with anyone else in it is thrown away (hivemind matches by key only,
-    and its libp2p streams say who each member is). Empty: anyone with the key.
+    and its libp2p streams say who each member is). Empty: anyone with the key. ``codec``:
+    how this peer sends its gradient parts and the averaged parts (``records.AVERAGING_CODECS``).
     """
 
     def __init__(
@@ -140,9 +150,12 @@ class StageAverager:
         owner: str = "",
         members: Collection[str] = (),
         generation: int = 0,
+        codec: str = "none",
     ) -> None:
         if replicas < 2:
             raise ConfigError(f"averaging needs at least 2 replicas, got {replicas}")
+        if codec not in _CODECS:
+            raise ConfigError(f"averaging codec must be one of {sorted(_CODECS)}, got {codec!r:.40}")
         self.deadline_s = deadline_s
         self.members = frozenset(members)
         self.key = group_key(job, plan_version, stage, owner, generation)
@@ -159,6 +172,7 @@ class StageAverager:
             allow_state_sharing=False,  # no state downloads: a replica's state comes from its checkpoint
             min_matchmaking_time=matchmaking,
             request_timeout=min(5.0, matchmaking / 2),
+            compression=_CODECS[codec](),
         )
         # not run_in_background(): it sets SIGINT to SIG_IGN in this process for good (and
         # works only on the main thread), so a peer with a replicated stage would ignore Ctrl-C

@@ -17,7 +17,14 @@ from fusionp2p.errors import ConfigError
 from fusionp2p.opdag.split import Partition
 from fusionp2p.planning import RuntimeLayout
 from fusionp2p.planning.cost import in_flight
-from fusionp2p.records import MAX_MICRO_BATCHES, JobSetup, ModelSpec, ShardSource, node_ranges
+from fusionp2p.records import (
+    AVERAGING_CODECS,
+    MAX_MICRO_BATCHES,
+    JobSetup,
+    ModelSpec,
+    ShardSource,
+    node_ranges,
+)
 from fusionp2p.runtime.losses import LOSSES
 from fusionp2p.runtime.shard_store import namespace_of
 
@@ -48,6 +55,13 @@ class JobOptions:
     group: str = ""
     averaging_s: float = 30.0  # how long a stage waits for the other replicas to average
     replica_peers: tuple[tuple[str, ...], ...] = ()  # every replica's layout peers, by replica
+    # per layout stage, how its replicas send the gradients they average (AVERAGING_CODECS;
+    # a stage past the end: "none")
+    averaging_codecs: tuple[str, ...] = ()
+
+    def averaging_codec(self, stage: int) -> str:
+        """How layout stage ``stage`` sends the gradients it averages."""
+        return self.averaging_codecs[stage] if stage < len(self.averaging_codecs) else "none"
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -56,6 +70,9 @@ class JobOptions:
             raise ConfigError(
                 f"n_micro_batches must be in [1, {MAX_MICRO_BATCHES}], got {self.n_micro_batches}"
             )
+        wrong = [c for c in self.averaging_codecs if c not in AVERAGING_CODECS]
+        if wrong:
+            raise ConfigError(f"averaging codecs must be of {sorted(AVERAGING_CODECS)}, got {wrong[0]!r:.40}")
 
 
 def default_in_flight(n_micro_batches: int, part: Partition) -> list[int]:
@@ -123,6 +140,7 @@ def stage_setups(
             group=options.group,
             averaging_s=options.averaging_s,
             averaging_peers=tuple(peers[stage] for peers in options.replica_peers),
+            averaging_codec=options.averaging_codec(stage),
         )
         for stage in range(part.n_stages)
     ]

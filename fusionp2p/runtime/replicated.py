@@ -21,14 +21,14 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 
 from fusionp2p.config import DEFAULT_TIMEOUTS
-from fusionp2p.errors import ConfigError, FusionP2PError, ProtocolError
+from fusionp2p.errors import ConfigError, FusionP2PError, ReplicasDiverged
 from fusionp2p.net.transport import Transport
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.opdag.split import Partition
 from fusionp2p.opdag.trace import TracedModel
 from fusionp2p.planning import RuntimeLayout
 from fusionp2p.records import MAX_REPLICAS, JobSetup, ModelSpec, ShardReport, replica_job
-from fusionp2p.runtime.averaging import Fingerprint, fingerprint_distance, fingerprints_agree
+from fusionp2p.runtime.averaging import CODEC_RTOL, Fingerprint, fingerprint_distance, fingerprints_agree
 from fusionp2p.runtime.driver import PipelineDriver, owner_service
 from fusionp2p.runtime.job_setup import JobOptions
 from fusionp2p.runtime.pretrained import PretrainedWeights
@@ -279,18 +279,22 @@ class ReplicatedDriver:
         return await self.replicas[0].fetch(what)
 
     async def check_replicas(self) -> dict[int, Fingerprint]:
-        """Per stage, replica 0's parameter fingerprint, checked against every replica's.
+        """Per stage, replica 0's parameter fingerprint, checked against every replica's
+        (within ``CODEC_RTOL`` of the codec the stage averages with).
 
         Raises:
-            ProtocolError: a replica holds other parameters for a stage (the replicas
-                diverged: their averages no longer describe one model).
+            ReplicasDiverged: a replica holds other parameters for a stage (their averages
+                no longer describe one model).
         """
         prints = await asyncio.gather(*(d.fingerprints() for d in self.replicas))
         for stage, first in prints[0].items():
-            differ = [k for k, other in enumerate(prints) if not fingerprints_agree(first, other[stage])]
+            rtol = CODEC_RTOL[self.options.averaging_codec(stage)]  # within the codec's rounding
+            differ = [
+                k for k, other in enumerate(prints) if not fingerprints_agree(first, other[stage], rtol)
+            ]
             if differ:
                 apart = max(fingerprint_distance(first, prints[k][stage]) for k in differ)
-                raise ProtocolError(
+                raise ReplicasDiverged(
                     f"job {self.job}: replicas {differ} hold other parameters for stage {stage} than "
                     f"replica 0 after {self.iteration} steps ({apart:.1e} of their norm apart): "
                     "the replicas diverged"

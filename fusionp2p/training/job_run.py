@@ -30,7 +30,14 @@ from typing import Any
 import torch
 
 from fusionp2p.config import DEFAULT_TIMEOUTS, RatioWarmup, format_bytes
-from fusionp2p.errors import ConfigError, CoordinatorError, FusionP2PError, LimitError, SwarmError
+from fusionp2p.errors import (
+    ConfigError,
+    CoordinatorError,
+    FusionP2PError,
+    LimitError,
+    ReplicasDiverged,
+    SwarmError,
+)
 from fusionp2p.net.connection import SwarmConnection
 from fusionp2p.opdag.families import ModelRegistry
 from fusionp2p.planning import PlanningError
@@ -198,6 +205,7 @@ class JobRun:
                 restore=state,
                 exclude=tuple(self.lost),
                 pretrained=self.pretrained if state is None else None,
+                averaging_codecs=submitted.replicated.averaging_codecs if submitted.replicated else (),
             )
         )
         setup_bytes = transport.bytes_sent - sent_before
@@ -262,6 +270,8 @@ class JobRun:
 
     def maybe_checkpoint(self, *, force: bool = False) -> float | None:
         """Checkpoints after this step if it is due (or ``force``); its cost in seconds.
+        Replicas whose parameters no longer agree are then set up again from that
+        checkpoint (replica 0's state) on a fresh plan: no step is lost or redone.
 
         Raises:
             StepFailed: fetching the state failed.
@@ -269,9 +279,21 @@ class JobRun:
         last = self.checkpoint.step if self.checkpoint is not None else 0
         if not force and not self.policy.due(self.step, last):
             return None
+        cost, diverged = self._checkpoint()
+        if diverged:
+            self._resync()
+        return cost
+
+    def _checkpoint(self) -> tuple[float, bool]:
+        """Saves the state of this step (replica 0's): its cost in seconds, and whether the
+        replicas' parameters disagreed.
+
+        Raises:
+            StepFailed: fetching the state failed.
+        """
         began = time.perf_counter()
         assert self.submitted is not None and self.pipeline is not None
-        self._check_replicas()
+        diverged = self._replicas_diverged()
         transport = self.connection.call(self.connection.transport())
         received = transport.bytes_received
         try:
@@ -291,23 +313,40 @@ class JobRun:
         step_s = self.clock.expected_s or (self.clock.steps[-1] if self.clock.steps else 0.0)
         self.policy.measured(cost, step_s)
         logger.info("checkpoint of step %d in %.2f s (next in %d steps)", self.step, cost, self.policy.period)
-        return cost
+        return cost, diverged
 
-    def _check_replicas(self) -> None:
-        """Before a checkpoint: the replicas' parameters must agree (only replica 0 is saved).
+    def _replicas_diverged(self) -> bool:
+        """Whether the replicas' parameters disagree (only replica 0's are saved): a replica
+        left out of an average stepped on its own gradients. Says so in a
+        ``replicas_diverged`` event.
 
         Raises:
-            StepFailed: they differ (a ``replicas_diverged`` event; ``recover`` then rolls
-                every replica back to the last checkpoint, which was checked so).
+            StepFailed: a replica did not answer.
         """
         assert self.pipeline is not None
         if self.pipeline.replicas[0] < 2:
-            return
+            return False
         try:
             self.pipeline.check_replicas(timeout=self.clock.deadline())
+        except ReplicasDiverged as e:
+            self.events.emit(
+                "replicas_diverged",
+                f"{str(e)[:400]}; every replica is set up again from replica 0's state of step {self.step}",
+                step=self.step,
+                plan_version=self.version,
+            )
+            return True
         except FusionP2PError as e:
-            self.events.emit("replicas_diverged", str(e)[:500], step=self.step, plan_version=self.version)
             raise StepFailed(e) from e
+        return False
+
+    def _resync(self) -> None:
+        """Sets the replicas up again from the checkpoint just taken, on a fresh plan (new
+        averaging groups); not counted against ``max_replans``: nothing failed."""
+        assert self.checkpoint is not None
+        state = self._restore(self.checkpoint)
+        self._close()
+        self._replan(state, reason="replicas that diverged", counted=False)
 
     # ------------------------------------------------------------------ faults
     def _close(self) -> None:
@@ -380,7 +419,7 @@ class JobRun:
             plan_version=self.version,
             speeds=dict(speeds),
         )
-        self.maybe_checkpoint(force=True)
+        self._checkpoint()  # replicas that disagree are set up from it anyway
         assert self.checkpoint is not None
         state = self._restore(self.checkpoint)
         self._close()
@@ -393,7 +432,7 @@ class JobRun:
         Raises:
             StepFailed: the checkpoint failed (then ``recover`` handles it).
         """
-        self.maybe_checkpoint(force=True)
+        self._checkpoint()  # replicas that disagree are set up from it anyway
         assert self.checkpoint is not None
         state = self._restore(self.checkpoint)
         self._close()
@@ -434,10 +473,12 @@ class JobRun:
         *,
         reason: str,
         speeds: tuple[tuple[str, float], ...] = (),
+        counted: bool = True,
     ) -> None:
-        if self.replans >= self.job.max_replans:
+        if counted and self.replans >= self.job.max_replans:
             raise CoordinatorError(f"giving up: {self.replans} re-plans already ([fault] max_replans)")
-        self.replans += 1
+        if counted:
+            self.replans += 1
         deadline = time.monotonic() + REPLAN_PATIENCE_S
         while True:
             began = time.perf_counter()

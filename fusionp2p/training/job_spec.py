@@ -18,6 +18,7 @@ from fusionp2p.config import NAME_RE, PEER_ID_RE, OptimizerConfig, parse_bytes
 from fusionp2p.errors import ConfigError
 from fusionp2p.planning.cost import PLANNED_MAX_RATIO
 from fusionp2p.records import (
+    AVERAGING_CHOICES,
     COMPRESSIONS,
     MAX_MICRO_BATCHES,
     MAX_REPLICAS,
@@ -80,6 +81,8 @@ replicas = 1                   # data-parallel pipelines, their gradients averag
                                # that divides batch_size / micro_batch_size, or "auto" (op-fence only)
 refresh_s = 30                 # with replicas: how often idle peers are looked for, to refill a
                                # dropped replica or (with "auto") to add one when it pays
+averaging = "none"             # with replicas: the averaged gradients on the wire, "none" (fp32),
+                               # "fp16", or "auto" (fp16 where fp32 would cost over 10% of a step)
 checkpoint_every = 0           # steps between checkpoints; 0: chosen to cost <= 10% of the steps
 max_memory = ""                # the most this machine's own stage may need, e.g. "4GiB";
                                # "": 80% of its free memory (its part of the model, not all of it)
@@ -131,6 +134,7 @@ _TOML_FIELDS: dict[tuple[str, str], str] = {
     ("train", "plan_method"): "plan_method",
     ("train", "replicas"): "replicas",
     ("train", "refresh_s"): "refresh_s",
+    ("train", "averaging"): "averaging",
     ("train", "checkpoint_every"): "checkpoint_every",
     ("train", "max_memory"): "max_memory",
     ("train", "min_peers"): "min_peers",
@@ -218,6 +222,7 @@ class JobSpec:
     plan_method: str = "op-fence"
     replicas: int | str = 1  # data-parallel pipelines: a number that divides the micro-batches, or "auto"
     refresh_s: float = 30.0  # a replicated run looks for idle peers (to refill or add replicas) this often
+    averaging: str = "none"  # the replicas' averaged gradients on the wire: AVERAGING_CHOICES
     checkpoint_every: int = 0  # 0: automatic, so that checkpoints cost <= 10% of the step time
     max_memory: str = ""  # the data owner's own stage may need at most this ("4GiB"); "": 80% of free
     min_peers: int = 1
@@ -326,6 +331,10 @@ class JobSpec:
         if self.replicas != 1 and self.plan_method != "op-fence":
             raise ConfigError(
                 f'[train] replicas: replicas are planned by "op-fence", not {self.plan_method!r}'
+            )
+        if self.averaging not in AVERAGING_CHOICES:
+            raise ConfigError(
+                f"[train] averaging: one of {', '.join(AVERAGING_CHOICES)}, not {self.averaging!r:.40}"
             )
 
     @property

@@ -113,7 +113,7 @@ class Pipeline:
         agree (``runtime.averaging.fingerprints_agree``).
 
         Raises:
-            ProtocolError: two replicas hold different parameters (``ReplicatedDriver``).
+            ReplicasDiverged: two replicas hold different parameters (``ReplicatedDriver``).
             DeadlineError: not within ``timeout`` s.
         """
         driver = self.driver
@@ -188,13 +188,15 @@ async def start_planned(
     pretrained: PretrainedWeights | None = None,
     restore: Restore | None = None,
     exclude: Sequence[str] = (),
+    averaging_codecs: Sequence[str] = (),
 ) -> Pipeline:
     """Sets ``plan`` up with this process as its data owner (``Plan.layout``); every OpData
     of the job names the plan's version. The stages start from ``restore`` (a checkpoint
     kept by stages, read from its holders but ``exclude``) or ``initial_state`` (every
     tensor, sent from here), else from ``pretrained`` weights, else from the spec's seed.
     Several plans are the replicas of one job (``ReplicatedPlan.plans``): each is set up as
-    ``runtime.replicated`` runs them, ``options`` being the whole job's.
+    ``runtime.replicated`` runs them, ``options`` being the whole job's, each stage averaging
+    with the codec ``averaging_codecs`` gives its plan stage (``ReplicatedPlan.averaging_codecs``).
 
     Raises:
         ConfigError: ``options`` are for another micro-batch count than the plan's, or the
@@ -216,6 +218,9 @@ async def start_planned(
     if missing:
         raise SwarmError(f"peers {missing} of the plan are no longer live: plan again")
     options = replace(options, plan_version=plans[0].version, expect_dag=plans[0].dag)
+    if averaging_codecs:  # per plan stage -> per layout stage, by the peer that runs it
+        codec_of = dict(zip(plans[0].peer_ids, averaging_codecs, strict=True))
+        options = replace(options, averaging_codecs=tuple(codec_of.get(p, "none") for p in layouts[0].peers))
     addresses = {p: live[p].maddrs for p in others}
     driver: PipelineDriver | ReplicatedDriver
     if len(plans) == 1:

@@ -262,6 +262,7 @@ class _Attempt:
             max_ratio=job.max_ratio,
             only=job.stage_peers,
             replicas=job.replicas_wire,
+            averaging=job.averaging,
         )
         reply = await _ask(transport, lease, request, self.timeout)
         if reply.unread:
@@ -289,7 +290,7 @@ class _Attempt:
             [lk.dst for lk in links],
         )
         policy = compression_policy(job.compression, job.max_ratio)
-        cost = CostConfig(n_micro_batches=job.n_micro_batches, compression=policy)
+        cost = CostConfig(n_micro_batches=job.n_micro_batches, compression=policy, averaging=job.averaging)
         dag = self.traced.dag
         if request.replicas == 1:
             if reply.replicas != 1:

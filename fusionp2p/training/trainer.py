@@ -72,10 +72,12 @@ def describe_submitted(submitted: SubmittedJob) -> str:
     ]
     replicated = submitted.replicated
     if replicated is not None and replicated.replicas > 1:
+        codecs = [replicated.averaging_codec(k) for k in range(len(replicated.averaging_s))]
         head.append(
             f"{replicated.replicas} replicas, {plan.n_micro_batches} micro-batches each, "
             f"{replicated.expected_s:.3f} s per step (estimate); each stage's gradients averaged in "
             f"{', '.join(f'{s * 1e3:.0f}' for s in replicated.averaging_s)} ms (estimate)"
+            + (f", sent as {', '.join(codecs)}" if set(codecs) != {"none"} else "")
         )
         head += [
             f"replica {k}: {', '.join(names[p] for p in r.peer_ids)}" for k, r in enumerate(replicated.plans)

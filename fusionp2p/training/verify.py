@@ -188,4 +188,8 @@ def verified_replicas(
             f"{[[p[-8:] for p in plan.peer_ids] for plan in mine.plans]}, it published "
             f"{published.replicas} on {[[p[-8:] for p in plan.peer_ids] for plan in published.plans]})",
         )
+    stages = range(len(published.averaging_s))
+    codecs = [mine.averaging_codec(k) for k in stages]
+    if [published.averaging_codec(k) for k in stages] != codecs:
+        raise _refuse(by, f"its replicas average with other codecs than op-fence picks ({codecs})")
     return published, topo
