@@ -12,7 +12,7 @@ from fusionp2p.opdag import TransformerShape, transformer_dag
 from fusionp2p.planning import CostConfig, Plan, Topology, plan_job, synthetic_swarm
 from fusionp2p.planning.baselines import baseline_plan
 from fusionp2p.planning.replicated_plan import ReplicatedPlan, plan_replicated_job
-from fusionp2p.records import JobReply, JobRequest, ModelSpec, PlanStageRecord, replica_job
+from fusionp2p.records import JobReply, JobRequest, LinkRecord, ModelSpec, PlanStageRecord, replica_job
 from fusionp2p.training.verify import check_reply_records, verified_plan, verified_replicas
 
 DAG = transformer_dag(
@@ -164,3 +164,63 @@ def test_replicas_that_average_with_other_codecs_than_op_fence_picks_are_refused
     lied = dataclasses.replace(honest, averaging_codecs=("fp16",) * len(honest.averaging_codecs))
     with pytest.raises(CoordinatorError, match="other codecs"):
         verified_replicas(published(lied), DAG, reply, request, COST)
+
+
+BIG = transformer_dag(  # spread over five peers: the links between them matter
+    TransformerShape("gpt2", 24, 2048, 16, 50257, 1024, 8192, 16, True),
+    seq_len=1024,
+    micro_batch=4,
+    granularity="block",
+)
+
+
+def test_links_that_moved_past_the_slack_are_judged_by_the_plan_they_make() -> None:
+    """A cited link between 8x and 64x off its signed record may be a re-measurement since
+    the coordinator read it (an 11x move was seen on this machine): the plan is then judged
+    over the links as their records say now. An honest plan whose unused link moved is
+    taken; a coordinator that bends every link between peers 60x (one peer's faster, the
+    rest slower) to put that peer on the plan is refused, its plan 7x slower than the data
+    owner's own over the links as they are."""
+    request, reply, topo = _swarm()
+    owner = request.owner.peer_id
+    live = {p.peer_id: p for p in reply.peers}
+    signed = [lk for lk in synthetic_swarm(7, n_peers=8)[1] if lk.src != owner]
+    probed = [lk.dst for lk in request.owner_links]
+    honest = plan_job(BIG, topo, owner, method="op-fence", cost=COST)
+    used = {frozenset(pair) for pair in zip(honest.peer_ids, honest.peer_ids[1:], strict=False)}
+    moved = next(lk for lk in signed if frozenset((lk.src, lk.dst)) not in used and not lk.extra)
+    now = [
+        dataclasses.replace(lk, bandwidth_bytes_per_s=lk.bandwidth_bytes_per_s / 12) if lk == moved else lk
+        for lk in signed
+    ]
+    drifted = check_reply_records(reply, request, live, now, probed)
+    assert list(drifted) == [(moved.src, moved.dst)]
+    taken, _ = verified_plan(_published(honest, request), BIG, reply, request, COST, drifted)
+    assert taken.peer_ids == honest.peer_ids
+    favoured = next(p.peer_id for p in reply.peers if p.peer_id.endswith("0003"))
+
+    def bend(link: LinkRecord) -> LinkRecord:
+        if owner in (link.src, link.dst) or link.extra:
+            return link
+        factor = 60.0 if favoured in (link.src, link.dst) else 1 / 60
+        return dataclasses.replace(link, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s * factor)
+
+    lying = dataclasses.replace(reply, links=tuple(bend(lk) for lk in reply.links))
+    bent = plan_job(BIG, Topology.from_records(lying.peers, lying.links), owner, method="op-fence", cost=COST)
+    assert favoured in bent.peer_ids and favoured not in honest.peer_ids
+    drifted = check_reply_records(lying, request, live, signed, probed)
+    with pytest.raises(
+        CoordinatorError, match=r"moved past 8x since it read them .* \d+\.\d\dx the plan made of"
+    ):
+        verified_plan(_published(bent, request), BIG, lying, request, COST, drifted)
+    far = dataclasses.replace(
+        lying,
+        links=tuple(
+            dataclasses.replace(lk, bandwidth_bytes_per_s=lk.bandwidth_bytes_per_s * 100)
+            if lk.src == favoured and lk.dst != owner and not lk.extra
+            else lk
+            for lk in reply.links
+        ),
+    )
+    with pytest.raises(CoordinatorError, match="its signed record says"):  # past 64x: a lie, whatever it does
+        check_reply_records(far, request, live, signed, probed)

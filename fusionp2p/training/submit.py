@@ -282,7 +282,7 @@ class _Attempt:
         if not all(replicas):
             raise CoordinatorError(f"job {self.run_id}'s plan (epoch {reply.epoch}) is not in the DHT")
         cited = [p.peer_id for p in reply.peers if p.peer_id != transport.peer_id]
-        check_reply_records(
+        drifted = check_reply_records(
             reply,
             request,
             await directory.fetch_peers(unread=Unread()),
@@ -297,9 +297,13 @@ class _Attempt:
                 raise PlanRefused(
                     f"the coordinator {reply.coordinator[-8:]} planned replicas nobody asked for"
                 )
-            plan, topo = await asyncio.to_thread(verified_plan, replicas[0], dag, reply, request, cost)
+            plan, topo = await asyncio.to_thread(
+                verified_plan, replicas[0], dag, reply, request, cost, drifted
+            )
             return SubmittedJob(self.run_id, plan, reply, topo, self.traced, transport.peer_id, cost)
-        replicated, topo = await asyncio.to_thread(verified_replicas, replicas, dag, reply, request, cost)
+        replicated, topo = await asyncio.to_thread(
+            verified_replicas, replicas, dag, reply, request, cost, drifted
+        )
         plan = replicated.plans[0]
         return SubmittedJob(self.run_id, plan, reply, topo, self.traced, transport.peer_id, cost, replicated)
 

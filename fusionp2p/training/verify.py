@@ -15,10 +15,18 @@ coordinator may have read the swarm before that direction was measured) faster t
 owner probed itself among the candidates. A
 coordinator can then only plan what OP-Fence (or the baseline asked for) makes of the swarm
 as it is.
+
+A link re-measured past ``LINK_SLACK`` (but within ``DRIFT_LIMIT``) since the coordinator
+read it is not a lie by itself: on a busy machine a loopback probe has moved 11x between
+two reads seconds apart. Such a plan is judged by what it does instead: over the links as
+their records say now, it must take at most ``OUTCOME_SLACK`` times the step of the plan
+this data owner makes of them itself. A coordinator that bends links that far can then
+cost the job at most that much.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 
@@ -29,17 +37,25 @@ from fusionp2p.planning.replicated_plan import ReplicatedPlan, plan_replicated_j
 from fusionp2p.records import JobReply, JobRequest, LinkRecord, PeerRecord, PlanStageRecord
 
 __all__ = [
+    "DRIFT_LIMIT",
     "LINK_SLACK",
     "MEMORY_SLACK",
+    "OUTCOME_SLACK",
     "PlanRefused",
     "check_reply_records",
     "verified_plan",
     "verified_replicas",
 ]
 
+logger = logging.getLogger(__name__)
+
 MEMORY_SLACK = 2.0  # a cited peer's free memory may differ this much (either way) from the DHT's now
 LINK_SLACK = 8.0  # a cited link may differ this much from its signed record: probes vary (2.4x seen on
 # loopback within seconds) and the coordinator reads the DHT a few seconds earlier
+DRIFT_LIMIT = LINK_SLACK**2  # past LINK_SLACK, up to this: the plan is judged over the links as they are now
+OUTCOME_SLACK = 1.25  # ... and may take this much longer a step than the data owner's own plan of them
+
+Drifted = Mapping[tuple[str, str], LinkRecord]  # (src, dst) -> the link's signed record now
 
 
 class PlanRefused(CoordinatorError):
@@ -76,10 +92,12 @@ def check_reply_records(
     live: Mapping[str, PeerRecord],
     signed_links: Sequence[LinkRecord],
     probed: Sequence[str],
-) -> None:
+) -> dict[tuple[str, str], LinkRecord]:
     """Refuses ``reply`` unless the records it cites are the swarm's (see the module doc):
     ``live`` are the DHT's live peer records now, ``signed_links`` the DHT's links of the
-    cited peers, ``probed`` the peers this data owner measured a link to.
+    cited peers, ``probed`` the peers this data owner measured a link to. Returns the
+    links re-measured past ``LINK_SLACK`` (within ``DRIFT_LIMIT``), as signed now: the plan
+    must then pass ``verified_plan``'s check over them.
 
     Raises:
         PlanRefused: the reason, naming the record.
@@ -102,6 +120,7 @@ def check_reply_records(
     vouched = vouched_links([*signed_links, *request.owner_links], trusted={owner, by})
     signed = {(lk.src, lk.dst): lk for lk in vouched}
     fastest = max([lk.bandwidth_bytes_per_s for lk in (*signed_links, *request.owner_links)], default=0.0)
+    drifted: dict[tuple[str, str], LinkRecord] = {}
     for link in reply.links:
         key, bandwidth = (link.src, link.dst), link.bandwidth_bytes_per_s
         if link.src == owner and "inferred" not in link.extra:
@@ -110,7 +129,11 @@ def check_reply_records(
                 raise _refuse(by, f"this data owner's link to {link.dst[-8:]} is not the one it measured")
         elif key in signed and "inferred" not in link.extra:
             truth = signed[key].bandwidth_bytes_per_s
-            if not truth / LINK_SLACK <= bandwidth <= truth * LINK_SLACK:
+            if truth / DRIFT_LIMIT <= bandwidth <= truth * DRIFT_LIMIT and not (
+                truth / LINK_SLACK <= bandwidth <= truth * LINK_SLACK
+            ):
+                drifted[key] = signed[key]
+            elif not truth / LINK_SLACK <= bandwidth <= truth * LINK_SLACK:
                 raise _refuse(
                     by,
                     f"link {link.src[-8:]} -> {link.dst[-8:]} is cited at {bandwidth:.3g} B/s, "
@@ -122,6 +145,34 @@ def check_reply_records(
                 f"link {link.src[-8:]} -> {link.dst[-8:]} is cited at {bandwidth:.3g} B/s, "
                 f"faster than any link measured ({fastest:.3g})",
             )
+    return drifted
+
+
+def _now(reply: JobReply, drifted: Drifted) -> Topology:
+    """The cited swarm with the drifted links as their records say now."""
+    links = [drifted.get((lk.src, lk.dst), lk) for lk in reply.links]
+    return Topology.from_records(reply.peers, links)
+
+
+def _check_outcome(by: str, published_s: float, mine_s: float, drifted: Drifted) -> None:
+    src, dst = next(iter(drifted))
+    if not published_s <= OUTCOME_SLACK * mine_s:
+        raise _refuse(
+            by,
+            f"{len(drifted)} link(s) moved past {LINK_SLACK:g}x since it read them ({src[-8:]} -> "
+            f"{dst[-8:]} is at {drifted[src, dst].bandwidth_bytes_per_s:.3g} B/s now), and over the "
+            f"links as they are now its plan takes {published_s:.3g} s a step, "
+            f"{published_s / mine_s:.2f}x the plan made of them here",
+        )
+    logger.info(
+        "%d link(s) moved past %gx since the coordinator %s read them; over them as they are now its "
+        "plan takes %.3g s a step, %.2fx the plan made of them here: taken",
+        len(drifted),
+        LINK_SLACK,
+        by[-8:],
+        published_s,
+        published_s / mine_s,
+    )
 
 
 def _same(published: Plan, mine: Plan) -> bool:
@@ -134,13 +185,20 @@ def _same(published: Plan, mine: Plan) -> bool:
 
 
 def verified_plan(
-    records: Sequence[PlanStageRecord], dag: OpDag, reply: JobReply, request: JobRequest, cost: CostConfig
+    records: Sequence[PlanStageRecord],
+    dag: OpDag,
+    reply: JobReply,
+    request: JobRequest,
+    cost: CostConfig,
+    drifted: Drifted | None = None,
 ) -> tuple[Plan, Topology]:
     """The published plan, if it is what ``request.method`` makes of the records the reply
-    cites; the plan and the topology it runs in.
+    cites and, with ``drifted`` links (``check_reply_records``), still good over them as
+    they are now; the plan and the topology it runs in.
 
     Raises:
-        PlanRefused: the published plan is another one, or incomplete.
+        PlanRefused: the published plan is another one, or incomplete, or over the drifted
+            links more than ``OUTCOME_SLACK`` slower than this data owner's own plan.
     """
     owner, by = request.owner.peer_id, reply.coordinator
     try:
@@ -155,6 +213,14 @@ def verified_plan(
             f"{request.method} makes another plan of the records it cites (stages on "
             f"{[p[-8:] for p in mine.peer_ids]}, it published {[p[-8:] for p in published.peer_ids]})",
         )
+    if drifted:
+        try:
+            now = _now(reply, drifted)
+            published_now = Plan.from_records(records, dag, now, cost, method=request.method)
+            mine_now = plan_job(dag, now, owner, method=request.method, cost=cost)
+        except PlanningError as e:
+            raise _refuse(by, f"its plan cannot be checked over the links as they are now: {e}") from e
+        _check_outcome(by, published_now.expected_s, mine_now.expected_s, drifted)
     return published, topo
 
 
@@ -164,13 +230,16 @@ def verified_replicas(
     reply: JobReply,
     request: JobRequest,
     cost: CostConfig,
+    drifted: Drifted | None = None,
 ) -> tuple[ReplicatedPlan, Topology]:
     """The published replicas (replica k's records at ``replicas[k]``), if they are what
     ``plan_replicated_job`` makes of the records the reply cites for the replicas the
-    request asked for; the plan and the topology it runs in.
+    request asked for (and with ``drifted`` links, still good over them: ``verified_plan``);
+    the plan and the topology it runs in.
 
     Raises:
-        PlanRefused: the published replicas are others, fewer or more, or incomplete.
+        PlanRefused: the published replicas are others, fewer or more, or incomplete, or
+            too slow over the drifted links.
     """
     owner, by = request.owner.peer_id, reply.coordinator
     try:
@@ -192,4 +261,14 @@ def verified_replicas(
     codecs = [mine.averaging_codec(k) for k in stages]
     if [published.averaging_codec(k) for k in stages] != codecs:
         raise _refuse(by, f"its replicas average with other codecs than op-fence picks ({codecs})")
+    if drifted:
+        try:
+            now = _now(reply, drifted)
+            published_now = ReplicatedPlan.from_records(replicas, dag, now, cost, owner, method="op-fence")
+            mine_now = plan_replicated_job(
+                dag, now, owner, replicas=replicas_request(request.replicas), cost=cost
+            )
+        except PlanningError as e:
+            raise _refuse(by, f"its plan cannot be checked over the links as they are now: {e}") from e
+        _check_outcome(by, published_now.expected_s, mine_now.expected_s, drifted)
     return published, topo
