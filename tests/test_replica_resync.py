@@ -1,7 +1,8 @@
-"""A replicated run whose replicas' parameters disagree at a checkpoint (a replica left out
-of an average stepped on its own gradients, or fp16 rounding piled up) saves replica 0's
-state and sets every replica up again from it, on a fresh plan: no step is redone and no
-re-plan is counted against ``max_replans``. The pipeline and the coordinator are fakes;
+"""A replicated run's own faults: replicas whose parameters disagree at a checkpoint (a
+replica left out of an average stepped on its own gradients, or fp16 rounding piled up)
+save replica 0's state and set every replica up again from it, on a fresh plan: no step is
+redone and no re-plan is counted against ``max_replans``; a straggling stage is put on the
+replica that was slow. The pipeline and the coordinator are fakes;
 ``tests/test_replicas_run.py`` shows divergence and its check on real peers."""
 
 from __future__ import annotations
@@ -10,13 +11,18 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
 from fusionp2p.errors import DeadlineError, ReplicasDiverged
+from fusionp2p.planning import Topology
 from fusionp2p.records import ShardReport
+from fusionp2p.runtime.job_setup import JobOptions
+from fusionp2p.runtime.replicated import ReplicatedDriver
 from fusionp2p.runtime.restore import Restore
 from fusionp2p.training.job_run import JobRun, StepFailed
 from fusionp2p.training.job_spec import JobSpec
+from fusionp2p.training.pipeline import Pipeline
 from fusionp2p.training.supervision import EventLog
 
 OWNER = "Qm" + "o" * 44
@@ -30,6 +36,7 @@ class _Pipeline:
     def __init__(self, calls: list[str], check: Exception | None) -> None:
         self.calls, self.check = calls, check
         self.replicas = (2, 2)
+        self.stage_owners = [STAGE]
 
     def check_replicas(self, *, timeout: float | None = None) -> dict[int, Any]:
         self.calls.append("check")
@@ -62,8 +69,8 @@ def _run(tmp_path: Path, check: Exception | None) -> tuple[JobRun, list[str], li
     events = EventLog(tmp_path / "events.jsonl")
     run = JobRun(_Connection(), JobSpec(), None, "run-1", tmp_path, events)  # type: ignore[arg-type]
     run.report = lambda *args, **kwargs: None  # type: ignore[method-assign]  # no DHT here
-    run._replicas = dict  # type: ignore[method-assign]
-    run.submitted = SimpleNamespace(epoch=1, data_owner=OWNER)  # type: ignore[assignment]
+    topology = Topology.from_arrays([OWNER, STAGE], [1e12] * 2, [1 << 30] * 2, np.full((2, 2), 1e8))
+    run.submitted = SimpleNamespace(epoch=1, data_owner=OWNER, topology=topology)  # type: ignore[assignment]
     run.pipeline = _Pipeline(calls, check)  # type: ignore[assignment]
     run.step = 8
     replanned: list[Restore | None] = []
@@ -100,3 +107,17 @@ def test_replicas_that_do_not_answer_the_comparison_fail_the_step(tmp_path: Path
     with pytest.raises(StepFailed, match="no fingerprints"):
         run.maybe_checkpoint(force=True)
     assert calls == ["check"] and not replanned and run.checkpoint is None
+
+
+def test_a_straggling_stage_is_put_on_its_slowest_replicas_owner() -> None:
+    """A replicated stage's time is its slowest replica's: the straggler re-plan slows that
+    replica's owner down, not replica 0's."""
+    a1, a2, b1, b2 = ("Qm" + ch * 44 for ch in "ABCD")
+    first = SimpleNamespace(stage_owners=[a1, a2], stage_seconds=[0.1, 1.0, 1.0])
+    second = SimpleNamespace(stage_owners=[b1, b2], stage_seconds=[0.1, 0.9, 3.0])
+    driver = ReplicatedDriver(None, [first, second], JobOptions(n_micro_batches=4))  # type: ignore[arg-type, list-item]
+    pipeline = Pipeline(None, driver, [])  # type: ignore[arg-type]
+    assert pipeline.slowest_owners() == [a1, b2]
+    assert pipeline.stage_owners == [a1, a2]  # replica 0's, as before
+    first.stage_seconds = []  # no iteration yet: the owners of the first replica
+    assert pipeline.slowest_owners() == [a1, a2]

@@ -35,7 +35,6 @@ from fusionp2p.errors import (
     CoordinatorError,
     FusionP2PError,
     LimitError,
-    ReplicasDiverged,
     SwarmError,
 )
 from fusionp2p.net.connection import SwarmConnection
@@ -45,12 +44,13 @@ from fusionp2p.runtime.job_setup import JobOptions
 from fusionp2p.runtime.pretrained import PretrainedWeights
 from fusionp2p.runtime.restore import Restore
 from fusionp2p.training.batches import Batch, TrainingData
-from fusionp2p.training.checkpoint import Checkpoint, choose_replicas, run_secret, save_checkpoint
+from fusionp2p.training.checkpoint import Checkpoint, run_secret
 from fusionp2p.training.job_spec import JobSpec
 from fusionp2p.training.pipeline import Pipeline, start_planned
+from fusionp2p.training.run_checkpoints import take_checkpoint
 from fusionp2p.training.run_reports import publish_status, report_calibration
 from fusionp2p.training.submit import SubmittedJob, plan_job_id, submit_job
-from fusionp2p.training.supervision import CheckpointPolicy, EventLog
+from fusionp2p.training.supervision import CheckpointPolicy, EventLog, StepFailed
 
 __all__ = ["JobRun", "StepFailed"]
 
@@ -61,14 +61,6 @@ REPLAN_RETRY_S = 2.0  # between two tries of a re-plan
 REPORT_PERIOD_S = 5.0  # how often the run's progress goes to the DHT
 MAX_AVERAGING_S = 3600.0  # the longest averaging deadline a setup carries (JobSetup.averaging_s)
 SHARD_DIR = "shards"  # under the run directory: the data owner's own stage's shards
-
-
-class StepFailed(Exception):
-    """A step, a checkpoint or the final fetch failed; ``cause`` says how."""
-
-    def __init__(self, cause: FusionP2PError) -> None:
-        super().__init__(str(cause))
-        self.cause = cause
 
 
 class JobRun:
@@ -279,66 +271,10 @@ class JobRun:
         last = self.checkpoint.step if self.checkpoint is not None else 0
         if not force and not self.policy.due(self.step, last):
             return None
-        cost, diverged = self._checkpoint()
+        cost, diverged = take_checkpoint(self)
         if diverged:
             self._resync()
         return cost
-
-    def _checkpoint(self) -> tuple[float, bool]:
-        """Saves the state of this step (replica 0's): its cost in seconds, and whether the
-        replicas' parameters disagreed.
-
-        Raises:
-            StepFailed: fetching the state failed.
-        """
-        began = time.perf_counter()
-        assert self.submitted is not None and self.pipeline is not None
-        diverged = self._replicas_diverged()
-        transport = self.connection.call(self.connection.transport())
-        received = transport.bytes_received
-        try:
-            shards = self.pipeline.checkpoint(self.step, self._replicas(), timeout=self.clock.deadline())
-        except FusionP2PError as e:
-            raise StepFailed(e) from e
-        self.checkpoint = save_checkpoint(
-            self.run_dir,
-            self.step,
-            shards,
-            plan_version=self.version,
-            epoch=self.submitted.epoch,
-            data_owner=self.submitted.data_owner,
-        )
-        cost = time.perf_counter() - began
-        self.checkpoint_bytes = transport.bytes_received - received
-        step_s = self.clock.expected_s or (self.clock.steps[-1] if self.clock.steps else 0.0)
-        self.policy.measured(cost, step_s)
-        logger.info("checkpoint of step %d in %.2f s (next in %d steps)", self.step, cost, self.policy.period)
-        return cost, diverged
-
-    def _replicas_diverged(self) -> bool:
-        """Whether the replicas' parameters disagree (only replica 0's are saved): a replica
-        left out of an average stepped on its own gradients. Says so in a
-        ``replicas_diverged`` event.
-
-        Raises:
-            StepFailed: a replica did not answer.
-        """
-        assert self.pipeline is not None
-        if self.pipeline.replicas[0] < 2:
-            return False
-        try:
-            self.pipeline.check_replicas(timeout=self.clock.deadline())
-        except ReplicasDiverged as e:
-            self.events.emit(
-                "replicas_diverged",
-                f"{str(e)[:400]}; every replica is set up again from replica 0's state of step {self.step}",
-                step=self.step,
-                plan_version=self.version,
-            )
-            return True
-        except FusionP2PError as e:
-            raise StepFailed(e) from e
-        return False
 
     def _resync(self) -> None:
         """Sets the replicas up again from the checkpoint just taken, on a fresh plan (new
@@ -397,13 +333,15 @@ class JobRun:
         )
 
     def switch_for_straggler(self) -> None:
-        """Checkpoints now and re-plans with each stage's measured slowdown; no step is lost.
+        """Checkpoints now and re-plans with each stage's measured slowdown, put on the
+        stage's slowest owner (with replicas, a stage's time is its slowest replica's); no
+        step is lost.
 
         Raises:
             StepFailed: the checkpoint failed (then ``recover`` handles it).
         """
         factors = self.clock.speed_factors()
-        peers = self.stage_peers
+        peers = self.pipeline.slowest_owners() if self.pipeline is not None else []
         speeds = tuple(
             (peers[i - 1], round(f, 4))
             for i, f in enumerate(factors)
@@ -419,7 +357,7 @@ class JobRun:
             plan_version=self.version,
             speeds=dict(speeds),
         )
-        self._checkpoint()  # replicas that disagree are set up from it anyway
+        take_checkpoint(self)  # replicas that disagree are set up from it anyway
         assert self.checkpoint is not None
         state = self._restore(self.checkpoint)
         self._close()
@@ -432,7 +370,7 @@ class JobRun:
         Raises:
             StepFailed: the checkpoint failed (then ``recover`` handles it).
         """
-        self._checkpoint()  # replicas that disagree are set up from it anyway
+        take_checkpoint(self)  # replicas that disagree are set up from it anyway
         assert self.checkpoint is not None
         state = self._restore(self.checkpoint)
         self._close()
@@ -452,20 +390,6 @@ class JobRun:
             return None
         me = self.connection.call(self.connection.transport()).peer_id
         return checkpoint.restore(data_owner=me)
-
-    def _replicas(self) -> dict[int, str]:
-        """Per stage peer of the plan in force, the other stage peer its shard is copied to."""
-        assert self.submitted is not None
-        owners = dict(enumerate(self.stage_peers, 1))
-        topo = self.submitted.topology
-        pos = {p: i for i, p in enumerate(topo.peer_ids)}
-        bandwidth = {
-            (a, b): float(topo.bandwidth[pos[a], pos[b]])
-            for a in owners.values()
-            for b in owners.values()
-            if a != b and a in pos and b in pos
-        }
-        return choose_replicas(owners, bandwidth, self.submitted.data_owner)
 
     def _replan(
         self,

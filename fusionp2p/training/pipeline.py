@@ -91,6 +91,18 @@ class Pipeline:
         driver = self.driver
         return (driver.replicas[0] if isinstance(driver, ReplicatedDriver) else driver).stage_owners
 
+    def slowest_owners(self) -> list[str]:
+        """Per runtime stage 1.., the owner that computed it longest in the last iteration
+        (with replicas: over the replicas left; without, its only owner)."""
+        driver = self.driver
+        drivers = driver.replicas if isinstance(driver, ReplicatedDriver) else [driver]
+        if not all(len(d.stage_seconds) == len(d.stage_owners) + 1 for d in drivers):
+            return self.stage_owners  # no iteration yet
+        return [
+            max(drivers, key=lambda d: d.stage_seconds[i + 1]).stage_owners[i]
+            for i in range(len(drivers[0].stage_owners))
+        ]
+
     @property
     def lost(self) -> list[str]:
         """Stage owners of dropped replicas that did not answer a ping."""

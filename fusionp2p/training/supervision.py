@@ -30,12 +30,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CheckpointPolicy", "EventLog", "StepClock"]
+from fusionp2p.errors import FusionP2PError
+
+__all__ = ["CheckpointPolicy", "EventLog", "StepClock", "StepFailed"]
+
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_OVERHEAD = 0.10  # what automatic checkpointing may cost, as a fraction of step time
 MAX_AUTO_PERIOD = 50  # an automatic period never exceeds this many steps (bounds redone work)
+
+
+class StepFailed(Exception):
+    """A step, a checkpoint or the final fetch failed; ``cause`` says how."""
+
+    def __init__(self, cause: FusionP2PError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 @dataclass
