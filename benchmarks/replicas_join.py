@@ -7,10 +7,10 @@ as compute-bound peers would measure) runs one coordinated GPT-2 job (4 layers, 
 128 tokens, 2 micro-batches a step) with ``[train] replicas = "auto"`` on one allowed
 stage peer: one pipeline. At step 3 a fourth peer, also allowed, starts and joins the
 swarm. Reported per run, from the moment its process is started: its record in the DHT
-(``swarm.peers()``), the ``grown`` event (the run switched to 2 replicas, from a
-checkpoint), and the end of the first step on 2 replicas; the switch itself (its
-checkpoint and the setup of both replicas) is ``grown`` minus the step before it. Every
-process is ended on exit.
+(``swarm.peers()``), the ``grown`` event (the run chose to switch to 2 replicas: the
+background plan was made and beats the one in force), and the end of the first step on 2
+replicas; the switch itself (a checkpoint, the setup of both replicas from it, one step)
+is the difference of the last two. Every process is ended on exit.
 """
 
 from __future__ import annotations
@@ -91,14 +91,13 @@ def one_run(
     if not grown:
         raise SystemExit(f"run {k}: the newcomer was never given a replica in {steps} steps")
     first = next(t for t, row in step_ends if row.get("replicas") == 2)
-    before = max(t for t, row in step_ends if t <= grown[0]["time"])
     start = marks["started"]
     return {
         "process ready s": marks["process ready"] - start,
         "in the DHT s": marks["in the DHT"] - start,
         "grown s": grown[0]["time"] - start,
         "first replicated step s": first - start,
-        "switch s": grown[0]["time"] - before,
+        "switch s": first - grown[0]["time"],
         "step at growth": float(grown[0]["step"]),
     }
 
