@@ -287,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-steps", type=int, default=WanJob.warmup_steps, help="untimed first steps")
     parser.add_argument("--cells", nargs="+", metavar="PLANNER/COMPRESSION", help="run only these cells")
     parser.add_argument(
+        "--replicas",
+        default="1",
+        help='data-parallel replicas of every cell (op-fence cells only): N or "auto"',
+    )
+    parser.add_argument(
         "--dry-run", action="store_true", help="plan every cell on nominal rates; build nothing"
     )
     parser.add_argument(
@@ -307,11 +312,17 @@ def main(argv: list[str] | None = None) -> int:
     except TopologyError as e:
         print(f"wan: error: {e}", file=sys.stderr)
         return 2
-    job = replace(WanJob(), model=args.model, steps=args.steps, warmup_steps=args.warmup_steps)
+    replicas: int | str = args.replicas if args.replicas == "auto" else int(args.replicas)
+    job = replace(
+        WanJob(), model=args.model, steps=args.steps, warmup_steps=args.warmup_steps, replicas=replicas
+    )
     if not 0 <= job.warmup_steps < job.steps:
         print("wan: error: --warmup-steps must be below --steps", file=sys.stderr)
         return 2
     cells = _cells(args.cells)
+    if replicas != 1 and any(planner != "op-fence" for planner, _ in cells):
+        print("wan: error: --replicas needs op-fence cells only (--cells op-fence/none ...)", file=sys.stderr)
+        return 2
     out = Path(args.out)
     with tempfile.TemporaryDirectory(prefix="fusionp2p-wan-") as tmp:
         work = Path(args.keep or tmp)

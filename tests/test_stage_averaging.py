@@ -11,11 +11,14 @@ import pytest
 import torch
 
 from fusionp2p.errors import ConfigError
+from fusionp2p.net.dht_node import start_dht, stop_dht
+from fusionp2p.net.validation import MAX_DECLARATION_LIFETIME
 from fusionp2p.runtime.averaging import (
     AveragingResult,
     StageAverager,
     fingerprints_agree,
     group_key,
+    matchmaking_seconds,
     parameter_fingerprint,
 )
 
@@ -134,3 +137,39 @@ def test_an_average_with_a_peer_outside_the_replicas_is_thrown_away(dhts, caplog
     finally:
         honest.close()
         stranger.close()
+
+
+def test_replicas_with_an_hour_long_deadline_still_find_each_other_through_validated_dhts() -> None:
+    """A WAN job's averaging deadline may be an hour; hivemind declares an averager in the
+    DHT until its matchmaking ends, and fusionp2p's validators refuse declarations that
+    live past ``MAX_DECLARATION_LIFETIME``: the matchmaking window is capped under it, or
+    (as a one-hour job on the emulated WAN found) nobody ever finds the group."""
+    assert matchmaking_seconds(20.0) == 10.0
+    assert matchmaking_seconds(3600.0) <= MAX_DECLARATION_LIFETIME / 2
+    first = start_dht(initial_peers=[])
+    second = start_dht(initial_peers=[str(a) for a in first.get_visible_maddrs()])
+    averagers: list[StageAverager] = []
+    try:
+        shapes = [torch.zeros(5)]
+        averagers = [
+            StageAverager(dht, shapes, job="job-2", plan_version=1, stage=1, replicas=2, deadline_s=3600.0)
+            for dht in (first, second)
+        ]
+        grads = [[torch.full((5,), 1.0)], [torch.full((5,), 3.0)]]
+        results: dict[int, AveragingResult] = {}
+
+        def step(i: int) -> None:
+            results[i] = averagers[i].average(grads[i], 1.0)
+
+        threads = [threading.Thread(target=step, args=(i,), daemon=True) for i in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(90)
+        assert sorted(results) == [0, 1] and all(r.group_size == 2 for r in results.values())
+        assert all(torch.allclose(g[0], torch.full((5,), 2.0)) for g in grads)
+    finally:
+        for averager in averagers:
+            averager.close()
+        stop_dht(second)
+        stop_dht(first)

@@ -50,6 +50,7 @@ class WanJob:
     max_ratio: float = 20.0  # "planned": the hardest ratio; "uniform": every link's
     lr: float = 1e-3
     image_size: int = 128  # resnet18: a 224-pixel ImageNet ResNet's cost at a third of the FLOPs
+    replicas: int | str = 1  # [train] replicas of every cell (op-fence only): a number, or "auto"
 
     @property
     def n_micro_batches(self) -> int:
@@ -71,7 +72,7 @@ compression = "{policy}"
 ratio_warmup_steps = 0
 max_ratio = {self.max_ratio}
 plan_method = "{planner}"
-checkpoint_every = 1000000
+{self._replicas_line()}checkpoint_every = 1000000
 min_peers = {n_peers}
 wait_peers_s = 300
 
@@ -83,6 +84,12 @@ max_replans = 0
 [output]
 dir = "{out_dir}"
 """
+
+    def _replicas_line(self) -> str:
+        if self.replicas == 1:
+            return ""
+        value = f'"{self.replicas}"' if isinstance(self.replicas, str) else str(self.replicas)
+        return f"replicas = {value}\n"
 
     def _model_and_data(self) -> str:
         if self.model == "resnet18":

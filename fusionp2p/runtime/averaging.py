@@ -32,6 +32,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression
 
 from fusionp2p.errors import ConfigError
+from fusionp2p.net.validation import MAX_DECLARATION_LIFETIME
 from fusionp2p.records import AVERAGING_CODECS
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "fingerprint_distance",
     "fingerprints_agree",
     "group_key",
+    "matchmaking_seconds",
     "parameter_fingerprint",
 ]
 
@@ -51,6 +53,15 @@ logger = logging.getLogger(__name__)
 
 _KEY_RE = re.compile(r"^[\w-]{1,64}$")
 _READY_S = 60.0  # how long the averager's process may take to join the DHT
+
+
+def matchmaking_seconds(deadline_s: float) -> float:
+    """How long a group waits for late replicas (a full group starts at once): half the
+    deadline (hivemind refuses a step whose matching outlasts it), and at most half the
+    lifetime a peer's DHT gives a matchmaking declaration, which lives that long: a longer
+    one is refused by every validator and nobody finds the group (a job with a one-hour
+    deadline never averaged)."""
+    return min(deadline_s / 2, MAX_DECLARATION_LIFETIME / 2)
 
 
 def group_key(job: str, plan_version: int, stage: int, owner: str = "", generation: int = 0) -> str:
@@ -159,9 +170,7 @@ class StageAverager:
         self.deadline_s = deadline_s
         self.members = frozenset(members)
         self.key = group_key(job, plan_version, stage, owner, generation)
-        # how long a group waits for late replicas (a full group starts at once); under the
-        # deadline, since hivemind refuses a step whose matching outlasts it
-        matchmaking = deadline_s / 2
+        matchmaking = matchmaking_seconds(deadline_s)
         self._averager = DecentralizedAverager(
             [torch.zeros_like(t, device="cpu") for t in like],
             dht,
