@@ -21,7 +21,8 @@ re-estimate after its first steps (``planning/calibrate.py``: each stage's speed
 compute it reported; made before the timed steps), the loss after the fixed steps, and the
 fastest emulated device measured again just before and after the cell (how far the
 machine has drifted from the profile the plan used).
-``--model resnet18`` runs the matrix on a ResNet-18 and scikit-learn's digits instead.
+``--model resnet18`` runs the matrix on a ResNet-18 and scikit-learn's digits instead;
+``--replicas N`` (or ``auto``) runs op-fence cells as data-parallel replicas.
 Writes ``wan.json``, ``wan.md`` and ``wan.png`` under ``--out`` (``wan-resnet18.*``), and always tears down:
 peers, the data owner and every namespace, also on failure or Ctrl-C.
 
