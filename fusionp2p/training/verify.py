@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from fusionp2p.errors import CoordinatorError
 from fusionp2p.opdag.ir import OpDag
@@ -148,13 +148,20 @@ def check_reply_records(
     return drifted
 
 
-def _now(reply: JobReply, drifted: Drifted) -> Topology:
-    """The cited swarm with the drifted links as their records say now."""
-    links = [drifted.get((lk.src, lk.dst), lk) for lk in reply.links]
-    return Topology.from_records(reply.peers, links)
-
-
-def _check_outcome(by: str, published_s: float, mine_s: float, drifted: Drifted) -> None:
+def _check_outcome(
+    by: str,
+    reply: JobReply,
+    drifted: Drifted,
+    plans: Callable[[Topology], tuple[Plan, Plan] | tuple[ReplicatedPlan, ReplicatedPlan]],
+) -> None:
+    """Refuses the published plan unless, over the cited swarm with the drifted links as
+    their records say now, it takes at most ``OUTCOME_SLACK`` times the step of this data
+    owner's own plan (``plans``: both, over a topology)."""
+    now = Topology.from_records(reply.peers, [drifted.get((lk.src, lk.dst), lk) for lk in reply.links])
+    try:
+        published_s, mine_s = (p.expected_s for p in plans(now))
+    except PlanningError as e:
+        raise _refuse(by, f"its plan cannot be checked over the links as they are now: {e}") from e
     src, dst = next(iter(drifted))
     if not published_s <= OUTCOME_SLACK * mine_s:
         raise _refuse(
@@ -201,10 +208,14 @@ def verified_plan(
             links more than ``OUTCOME_SLACK`` slower than this data owner's own plan.
     """
     owner, by = request.owner.peer_id, reply.coordinator
+
+    def plans(topo: Topology) -> tuple[Plan, Plan]:  # the published plan and this data owner's, over topo
+        published = Plan.from_records(records, dag, topo, cost, method=request.method)
+        return published, plan_job(dag, topo, owner, method=request.method, cost=cost)
+
     try:
         topo = Topology.from_records(reply.peers, reply.links)
-        published = Plan.from_records(records, dag, topo, cost, method=request.method)
-        mine = plan_job(dag, topo, owner, method=request.method, cost=cost)
+        published, mine = plans(topo)
     except PlanningError as e:
         raise _refuse(by, f"its plan cannot be checked: {e}") from e
     if not _same(published, mine):
@@ -214,13 +225,7 @@ def verified_plan(
             f"{[p[-8:] for p in mine.peer_ids]}, it published {[p[-8:] for p in published.peer_ids]})",
         )
     if drifted:
-        try:
-            now = _now(reply, drifted)
-            published_now = Plan.from_records(records, dag, now, cost, method=request.method)
-            mine_now = plan_job(dag, now, owner, method=request.method, cost=cost)
-        except PlanningError as e:
-            raise _refuse(by, f"its plan cannot be checked over the links as they are now: {e}") from e
-        _check_outcome(by, published_now.expected_s, mine_now.expected_s, drifted)
+        _check_outcome(by, reply, drifted, plans)
     return published, topo
 
 
@@ -242,10 +247,16 @@ def verified_replicas(
             too slow over the drifted links.
     """
     owner, by = request.owner.peer_id, reply.coordinator
+
+    def plans(topo: Topology) -> tuple[ReplicatedPlan, ReplicatedPlan]:  # published, and this data owner's
+        published = ReplicatedPlan.from_records(replicas, dag, topo, cost, owner, method="op-fence")
+        return published, plan_replicated_job(
+            dag, topo, owner, replicas=replicas_request(request.replicas), cost=cost
+        )
+
     try:
         topo = Topology.from_records(reply.peers, reply.links)
-        published = ReplicatedPlan.from_records(replicas, dag, topo, cost, owner, method="op-fence")
-        mine = plan_replicated_job(dag, topo, owner, replicas=replicas_request(request.replicas), cost=cost)
+        published, mine = plans(topo)
     except PlanningError as e:
         raise _refuse(by, f"its plan cannot be checked: {e}") from e
     if mine.replicas != published.replicas or not all(
@@ -262,13 +273,5 @@ def verified_replicas(
     if [published.averaging_codec(k) for k in stages] != codecs:
         raise _refuse(by, f"its replicas average with other codecs than op-fence picks ({codecs})")
     if drifted:
-        try:
-            now = _now(reply, drifted)
-            published_now = ReplicatedPlan.from_records(replicas, dag, now, cost, owner, method="op-fence")
-            mine_now = plan_replicated_job(
-                dag, now, owner, replicas=replicas_request(request.replicas), cost=cost
-            )
-        except PlanningError as e:
-            raise _refuse(by, f"its plan cannot be checked over the links as they are now: {e}") from e
-        _check_outcome(by, published_now.expected_s, mine_now.expected_s, drifted)
+        _check_outcome(by, reply, drifted, plans)
     return published, topo
